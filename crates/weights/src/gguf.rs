@@ -187,7 +187,7 @@ pub fn qtensor_from_bytes(
         });
     }
     // Every block type candle knows has alignment <= 8 (f32 and f16 fields).
-    let storage = if (bytes.as_ptr() as usize) % 8 == 0 {
+    let storage = if (bytes.as_ptr() as usize).is_multiple_of(8) {
         QStorage::from_data(std::borrow::Cow::Borrowed(bytes), device, dtype)?
     } else {
         let mut aligned = vec![0u64; bytes.len().div_ceil(8)];
@@ -208,7 +208,7 @@ pub fn tensor_bytes(dtype: GgmlDType, shape: &[usize]) -> Option<usize> {
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))?;
     let inner = shape.last().copied().unwrap_or(1);
     let block = dtype.block_size();
-    if inner % block != 0 {
+    if !inner.is_multiple_of(block) {
         return None;
     }
     (n / block).checked_mul(dtype.type_size())

@@ -285,29 +285,7 @@ pub fn export(source: &dyn WeightSource, dir: &Path) -> Result<()> {
         path: dir.to_path_buf(),
         source: e,
     })?;
-    let mut names_out: Vec<String> = vec![names::TOKEN_EMBD.into(), names::OUTPUT_NORM.into()];
-    if !spec.tied_embeddings {
-        names_out.push(names::OUTPUT.into());
-    }
-    for l in 0..spec.n_layers {
-        for (suffix, _) in names::layer_tensors(spec) {
-            names_out.push(names::layer(l, suffix));
-        }
-    }
-    let mut data: Vec<(String, Tensor)> = Vec::new();
-    for name in &names_out {
-        let mut t = source.load(name, &Device::Cpu)?.dequantize(&Device::Cpu)?;
-        if spec.architecture == Architecture::Gemma3 && name.ends_with("norm.weight") {
-            t = (t - 1.0)?;
-        }
-        let is_qk = name.ends_with("attn_q.weight") || name.ends_with("attn_k.weight");
-        if is_qk && spec.rope_style == RopeStyle::Interleaved {
-            t = unpermute_rope_rows(&t, spec.head_dim)?;
-        }
-        let hf = names::to_hf(spec.architecture, name)
-            .ok_or_else(|| WeightsError::BadConfig(format!("no Hugging Face name for {name}")))?;
-        data.push((hf, t));
-    }
+    let data = hf_tensors(source)?;
     let path = dir.join("model.safetensors");
     candle_core::safetensors::save(
         &data
@@ -349,6 +327,39 @@ pub fn export(source: &dyn WeightSource, dir: &Path) -> Result<()> {
         source: e,
     })?;
     Ok(())
+}
+
+/// Every tensor of `source` as dense f32 under its Hugging Face name, in Hugging Face's layout
+/// (Gemma norms as `w` for `1 + w`, llama q/k rows in rotate-half order).
+pub fn hf_tensors(source: &dyn WeightSource) -> Result<Vec<(String, Tensor)>> {
+    let spec = source.spec();
+    let mut names_out: Vec<String> = vec![names::TOKEN_EMBD.into(), names::OUTPUT_NORM.into()];
+    if !spec.tied_embeddings {
+        names_out.push(names::OUTPUT.into());
+    }
+    for l in 0..spec.n_layers {
+        for (suffix, _) in names::layer_tensors(spec) {
+            names_out.push(names::layer(l, suffix));
+        }
+    }
+    let mut data = Vec::with_capacity(names_out.len());
+    for name in &names_out {
+        let mut t = source
+            .load(name, &Device::Cpu)?
+            .dequantize(&Device::Cpu)?
+            .to_dtype(DType::F32)?;
+        if spec.architecture == Architecture::Gemma3 && name.ends_with("norm.weight") {
+            t = (t - 1.0)?;
+        }
+        let is_qk = name.ends_with("attn_q.weight") || name.ends_with("attn_k.weight");
+        if is_qk && spec.rope_style == RopeStyle::Interleaved {
+            t = unpermute_rope_rows(&t, spec.head_dim)?;
+        }
+        let hf = names::to_hf(spec.architecture, name)
+            .ok_or_else(|| WeightsError::BadConfig(format!("no Hugging Face name for {name}")))?;
+        data.push((hf, t));
+    }
+    Ok(data)
 }
 
 /// Rows of a GGUF llama q/k weight are ordered (head, pair, half); Hugging Face orders them

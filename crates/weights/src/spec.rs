@@ -139,13 +139,13 @@ impl ModelSpec {
                 self.n_layers, self.d_model, self.n_heads, self.head_dim
             ));
         }
-        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
                 "{} query heads are not a multiple of {} key/value heads",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!(
                 "head size {} must be even for rotary embeddings",
                 self.head_dim

@@ -1,0 +1,255 @@
+//! The pieces transformer blocks are built from (norm, self-attention, gated MLP) and the
+//! [`Block`] trait each architecture implements.
+
+use candle_core::{DType, Device, Tensor};
+use switchyard_kernels::QLinear;
+use switchyard_weights::{names, Activation, RopeStyle, WeightSource};
+
+use crate::attention::{attend, AttnShape, SeqAttn};
+use crate::model::ForwardBatch;
+use crate::rope::RopeTable;
+use crate::{ModelError, Result};
+
+/// Everything a block needs besides its weights for one layer of one step.
+pub struct LayerCtx<'b, 'a> {
+    pub layer: usize,
+    pub batch: &'b mut ForwardBatch<'a>,
+    pub rope: &'b RopeTable,
+    pub shape: AttnShape,
+}
+
+/// One transformer layer: hidden `[tokens, d_model]` in, same shape out.
+pub trait Block: Send + Sync + std::fmt::Debug {
+    fn forward(&self, x: &Tensor, ctx: &mut LayerCtx<'_, '_>) -> Result<Tensor>;
+    /// Bytes of weights this block keeps resident.
+    fn resident_bytes(&self) -> usize;
+}
+
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn new(weight: Tensor, eps: f64) -> Self {
+        Self {
+            weight,
+            eps: eps as f32,
+        }
+    }
+
+    /// Normalises over the last dimension, which must equal the weight's length.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::rms_norm(
+            &x.contiguous()?,
+            &self.weight,
+            self.eps,
+        )?)
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.weight.elem_count() * self.weight.dtype().size_in_bytes()
+    }
+}
+
+/// How matrix weights are held once loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightFormat {
+    /// In the file's own type (block-quantized types use the quantized kernels).
+    #[default]
+    AsStored,
+    /// Dequantized to dense f32 (exact values of the file, f32 GEMM, no activation rounding).
+    F32,
+    /// Dequantized to dense f16.
+    F16,
+}
+
+/// Loads tensors of one source onto one device in one format.
+#[derive(Clone, Copy)]
+pub struct TensorLoader<'a> {
+    pub src: &'a dyn WeightSource,
+    pub device: &'a Device,
+    pub format: WeightFormat,
+}
+
+impl TensorLoader<'_> {
+    /// Loads `name` (and `bias`, when the file has it) as a linear layer.
+    pub fn linear(&self, name: &str, bias: Option<&str>) -> Result<QLinear> {
+        let w = self.src.load(name, self.device)?;
+        let b = match bias {
+            Some(b) if self.src.tensor_meta(b).is_some() => Some(self.vector(b)?),
+            _ => None,
+        };
+        Ok(match self.format {
+            WeightFormat::AsStored => QLinear::new(w, b)?,
+            WeightFormat::F32 => QLinear::dense(&w, DType::F32, b)?,
+            WeightFormat::F16 => QLinear::dense(&w, DType::F16, b)?,
+        })
+    }
+
+    /// A 1-D tensor (norm weight, bias) as f32.
+    pub fn vector(&self, name: &str) -> Result<Tensor> {
+        Ok(self
+            .src
+            .load(name, self.device)?
+            .dequantize(self.device)?
+            .to_dtype(DType::F32)?)
+    }
+
+    pub fn norm(&self, name: &str) -> Result<RmsNorm> {
+        Ok(RmsNorm::new(
+            self.vector(name)?,
+            self.src.spec().rms_norm_eps,
+        ))
+    }
+}
+
+/// Grouped-query self-attention with rotary embeddings and optional per-head q/k norms.
+#[derive(Debug)]
+pub struct SelfAttention {
+    pub q: QLinear,
+    pub k: QLinear,
+    pub v: QLinear,
+    pub o: QLinear,
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
+    pub rope_style: RopeStyle,
+}
+
+impl SelfAttention {
+    pub fn load(ld: &TensorLoader<'_>, l: usize, qk_norm: bool) -> Result<Self> {
+        let n = |s: &str| names::layer(l, s);
+        let (q_norm, k_norm) = if qk_norm {
+            (
+                Some(ld.norm(&n("attn_q_norm.weight"))?),
+                Some(ld.norm(&n("attn_k_norm.weight"))?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Self {
+            q: ld.linear(&n("attn_q.weight"), Some(&n("attn_q.bias")))?,
+            k: ld.linear(&n("attn_k.weight"), Some(&n("attn_k.bias")))?,
+            v: ld.linear(&n("attn_v.weight"), Some(&n("attn_v.bias")))?,
+            o: ld.linear(&n("attn_output.weight"), None)?,
+            q_norm,
+            k_norm,
+            rope_style: ld.src.spec().rope_style,
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        [&self.q, &self.k, &self.v, &self.o]
+            .iter()
+            .map(|l| l.resident_bytes())
+            .sum::<usize>()
+            + self.q_norm.as_ref().map_or(0, RmsNorm::bytes)
+            + self.k_norm.as_ref().map_or(0, RmsNorm::bytes)
+    }
+
+    /// `x` is the normed hidden state `[tokens, d_model]`; writes this layer's K/V for the new
+    /// positions into each sequence's cache and returns the projected attention output.
+    pub fn forward(&self, x: &Tensor, ctx: &mut LayerCtx<'_, '_>) -> Result<Tensor> {
+        let shape = ctx.shape;
+        let hd = shape.head_dim;
+        let tokens = x.dim(0)?;
+        let q = self.project(&self.q, self.q_norm.as_ref(), x, shape.n_heads, hd)?;
+        let k = self.project(&self.k, self.k_norm.as_ref(), x, shape.n_kv_heads, hd)?;
+        let v = self.v.forward(x)?;
+        let mut q = q.flatten_all()?.to_vec1::<f32>()?;
+        let mut k = k.flatten_all()?.to_vec1::<f32>()?;
+        let v = v.flatten_all()?.to_vec1::<f32>()?;
+        ctx.rope.apply(&mut q, shape.n_heads, self.rope_style);
+        ctx.rope.apply(&mut k, shape.n_kv_heads, self.rope_style);
+
+        let q_row = shape.n_heads * hd;
+        let kv_row = shape.n_kv_heads * hd;
+        let mut at = 0;
+        for seq in ctx.batch.seqs.iter_mut() {
+            let (a, b) = (at * kv_row, (at + seq.n) * kv_row);
+            seq.kv.write(ctx.layer, seq.start, &k[a..b], &v[a..b])?;
+            at += seq.n;
+        }
+        let mut views = Vec::with_capacity(ctx.batch.seqs.len());
+        let mut at = 0;
+        for seq in ctx.batch.seqs.iter() {
+            views.push(SeqAttn {
+                q: &q[at * q_row..(at + seq.n) * q_row],
+                start: seq.start,
+                n: seq.n,
+                chunks: seq.kv.chunks(ctx.layer, seq.start + seq.n)?,
+            });
+            at += seq.n;
+        }
+        let out = attend(&views, &shape)?;
+        let out = Tensor::from_vec(out, (tokens, q_row), x.device())?;
+        Ok(self.o.forward(&out)?)
+    }
+
+    fn project(
+        &self,
+        w: &QLinear,
+        norm: Option<&RmsNorm>,
+        x: &Tensor,
+        heads: usize,
+        hd: usize,
+    ) -> Result<Tensor> {
+        let y = w.forward(x)?;
+        match norm {
+            Some(n) => {
+                let t = y.dim(0)?;
+                Ok(n.forward(&y.reshape((t * heads, hd))?)?
+                    .reshape((t, heads * hd))?)
+            }
+            None => Ok(y),
+        }
+    }
+}
+
+/// `down(act(gate(x)) * up(x))`.
+#[derive(Debug)]
+pub struct GatedMlp {
+    pub gate: QLinear,
+    pub up: QLinear,
+    pub down: QLinear,
+    pub activation: Activation,
+}
+
+impl GatedMlp {
+    pub fn load(ld: &TensorLoader<'_>, l: usize, act: Activation) -> Result<Self> {
+        let n = |s: &str| names::layer(l, s);
+        Ok(Self {
+            gate: ld.linear(&n("ffn_gate.weight"), None)?,
+            up: ld.linear(&n("ffn_up.weight"), None)?,
+            down: ld.linear(&n("ffn_down.weight"), None)?,
+            activation: act,
+        })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.gate.resident_bytes() + self.up.resident_bytes() + self.down.resident_bytes()
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _span = tracing::trace_span!("mlp").entered();
+        let gate = self.gate.forward(x)?;
+        let up = self.up.forward(x)?;
+        let act = match self.activation {
+            Activation::Silu => candle_nn::ops::silu(&gate)?,
+            Activation::GeluTanh => gate.gelu()?,
+        };
+        Ok(self.down.forward(&(act * up)?)?)
+    }
+}
+
+pub(crate) fn check_rows(x: &Tensor, batch: &ForwardBatch<'_>) -> Result<()> {
+    let rows = x.dim(0)?;
+    if rows != batch.total_tokens() {
+        return Err(ModelError::BatchMismatch {
+            batch: batch.total_tokens(),
+            hidden: rows,
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,339 @@
+//! [`LayeredModel`]: a model whose layers are loaded, run and dropped one by one.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::quantized::QTensor;
+use candle_core::{Device, Tensor};
+use switchyard_kernels::QLinear;
+use switchyard_weights::{names, Architecture, ModelSpec, WeightSource};
+
+use crate::block::{check_rows, Block, LayerCtx, RmsNorm, TensorLoader, WeightFormat};
+use crate::config::ArchConfig;
+use crate::kv::SeqKv;
+use crate::rope::RopeTable;
+use crate::{gemma3, llama, ModelError, Result};
+
+/// One sequence's share of a forward batch: `n` tokens at positions `start..start + n`.
+pub struct SeqChunk<'a> {
+    pub start: usize,
+    pub n: usize,
+    pub kv: &'a mut dyn SeqKv,
+}
+
+/// The sequences of one forward step. Hidden states passed with it hold their tokens in the
+/// same order: all tokens of the first sequence, then the second, and so on.
+pub struct ForwardBatch<'a> {
+    pub seqs: Vec<SeqChunk<'a>>,
+}
+
+impl<'a> ForwardBatch<'a> {
+    pub fn new(seqs: Vec<SeqChunk<'a>>) -> Self {
+        Self { seqs }
+    }
+
+    /// A batch of one sequence.
+    pub fn single(kv: &'a mut dyn SeqKv, start: usize, n: usize) -> Self {
+        Self::new(vec![SeqChunk { start, n, kv }])
+    }
+
+    pub fn total_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.n).sum()
+    }
+
+    /// The position of every token, in batch order.
+    pub fn positions(&self) -> Vec<usize> {
+        self.seqs
+            .iter()
+            .flat_map(|s| s.start..s.start + s.n)
+            .collect()
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// Load only the first `n` layers (all when `None`).
+    pub layers: Option<usize>,
+    /// How matrix weights are held (the LM head included).
+    pub format: WeightFormat,
+}
+
+/// Bytes of weights held in memory, by part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ResidentBytes {
+    pub embedding: usize,
+    /// LM head when it is not the embedding matrix, plus the final norm.
+    pub head: usize,
+    pub layers: usize,
+}
+
+impl ResidentBytes {
+    pub fn total(&self) -> usize {
+        self.embedding + self.head + self.layers
+    }
+}
+
+pub struct LayeredModel {
+    source: Arc<dyn WeightSource>,
+    cfg: ArchConfig,
+    device: Device,
+    format: WeightFormat,
+    embedding: Arc<QTensor>,
+    layers: Vec<Option<Arc<dyn Block>>>,
+    final_norm: RmsNorm,
+    head: QLinear,
+}
+
+impl std::fmt::Debug for LayeredModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayeredModel")
+            .field("source", &self.source.description())
+            .field("architecture", &self.cfg.spec.architecture)
+            .field("resident_layers", &self.resident_layers())
+            .finish()
+    }
+}
+
+/// Architecture defaults for a spec.
+pub fn arch_config(spec: &ModelSpec) -> ArchConfig {
+    match spec.architecture {
+        Architecture::Llama | Architecture::Qwen2 => llama::config(spec),
+        Architecture::Gemma3 => gemma3::config(spec),
+    }
+}
+
+/// Loads layer `l` of `source`; callable from any thread (residency changes load in the
+/// background and install between steps).
+pub fn load_block(ld: &TensorLoader<'_>, cfg: &ArchConfig, l: usize) -> Result<Arc<dyn Block>> {
+    if l >= cfg.spec.n_layers {
+        return Err(ModelError::NoSuchLayer {
+            layer: l,
+            n_layers: cfg.spec.n_layers,
+        });
+    }
+    let _span = tracing::debug_span!("load_layer", layer = l).entered();
+    Ok(match cfg.spec.architecture {
+        Architecture::Llama | Architecture::Qwen2 => Arc::new(llama::LlamaBlock::load(ld, cfg, l)?),
+        Architecture::Gemma3 => Arc::new(gemma3::Gemma3Block::load(ld, cfg, l)?),
+    })
+}
+
+impl LayeredModel {
+    pub fn load(source: Arc<dyn WeightSource>, opts: &LoadOptions) -> Result<Self> {
+        Self::load_on(source, opts, &Device::Cpu)
+    }
+
+    pub fn load_on(
+        source: Arc<dyn WeightSource>,
+        opts: &LoadOptions,
+        device: &Device,
+    ) -> Result<Self> {
+        let spec = source.spec().clone();
+        let cfg = arch_config(&spec);
+        let ld = TensorLoader {
+            src: &*source,
+            device,
+            format: opts.format,
+        };
+        let embedding = Arc::new(source.load(names::TOKEN_EMBD, device)?);
+        let head = match (spec.tied_embeddings, opts.format) {
+            (true, WeightFormat::AsStored) => QLinear::from_arc(embedding.clone(), None)?,
+            (true, _) => ld.linear(names::TOKEN_EMBD, None)?,
+            (false, _) => ld.linear(names::OUTPUT, None)?,
+        };
+        let final_norm = ld.norm(names::OUTPUT_NORM)?;
+        let n = opts.layers.unwrap_or(spec.n_layers).min(spec.n_layers);
+        let mut layers: Vec<Option<Arc<dyn Block>>> = vec![None; spec.n_layers];
+        for (l, slot) in layers.iter_mut().enumerate().take(n) {
+            *slot = Some(load_block(&ld, &cfg, l)?);
+        }
+        Ok(Self {
+            format: opts.format,
+            source,
+            cfg,
+            device: device.clone(),
+            embedding,
+            layers,
+            final_norm,
+            head,
+        })
+    }
+
+    pub fn config(&self) -> &ArchConfig {
+        &self.cfg
+    }
+
+    /// A loader for this model's source, device and weight format (for loading layers on
+    /// another thread with [`load_block`]).
+    pub fn loader(&self) -> TensorLoader<'_> {
+        TensorLoader {
+            src: &*self.source,
+            device: &self.device,
+            format: self.format,
+        }
+    }
+
+    pub fn spec(&self) -> &ModelSpec {
+        &self.cfg.spec
+    }
+
+    pub fn source(&self) -> &Arc<dyn WeightSource> {
+        &self.source
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn is_resident(&self, l: usize) -> bool {
+        self.layers.get(l).is_some_and(Option::is_some)
+    }
+
+    pub fn resident_layers(&self) -> Vec<usize> {
+        (0..self.layers.len())
+            .filter(|&l| self.is_resident(l))
+            .collect()
+    }
+
+    /// Loads layer `l` from the source if it is not resident.
+    pub fn load_layer(&mut self, l: usize) -> Result<()> {
+        if !self.is_resident(l) {
+            let ld = self.loader();
+            let block = load_block(&ld, &self.cfg, l)?;
+            self.install_layer(l, block)?;
+        }
+        Ok(())
+    }
+
+    /// Puts a block loaded elsewhere (see [`load_block`]) in place.
+    pub fn install_layer(&mut self, l: usize, block: Arc<dyn Block>) -> Result<()> {
+        let n_layers = self.layers.len();
+        let slot = self
+            .layers
+            .get_mut(l)
+            .ok_or(ModelError::NoSuchLayer { layer: l, n_layers })?;
+        *slot = Some(block);
+        Ok(())
+    }
+
+    /// Frees layer `l`'s weights.
+    pub fn drop_layer(&mut self, l: usize) {
+        if let Some(slot) = self.layers.get_mut(l) {
+            *slot = None;
+        }
+    }
+
+    /// Bytes layer `l` takes when resident, from the tensor sizes in the source.
+    pub fn layer_bytes(&self, l: usize) -> usize {
+        names::layer_tensors(self.spec())
+            .iter()
+            .filter_map(|(suffix, _)| self.source.tensor_meta(&names::layer(l, suffix)))
+            .map(|m| m.n_bytes)
+            .sum()
+    }
+
+    pub fn resident_bytes(&self) -> ResidentBytes {
+        let head = self.final_norm.bytes()
+            + if self.spec().tied_embeddings && self.format == WeightFormat::AsStored {
+                0
+            } else {
+                self.head.resident_bytes()
+            };
+        ResidentBytes {
+            embedding: self.embedding.storage_size_in_bytes(),
+            head,
+            layers: self
+                .layers
+                .iter()
+                .flatten()
+                .map(|b| b.resident_bytes())
+                .sum(),
+        }
+    }
+
+    /// Hidden states `[tokens, d_model]` for `tokens`.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+        let vocab = self.spec().vocab_size;
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::TokenOutOfRange { id, vocab });
+        }
+        let ids = Tensor::new(tokens, &self.device)?;
+        let x = self.embedding.embedding(&ids)?;
+        Ok(match self.cfg.embed_scale {
+            Some(s) => (x * s as f64)?,
+            None => x,
+        })
+    }
+
+    /// Runs `x` through `layers` (all resident) for the sequences of `batch`, writing each
+    /// layer's K/V for the batch's positions.
+    pub fn forward_layers(
+        &self,
+        mut x: Tensor,
+        layers: Range<usize>,
+        batch: &mut ForwardBatch<'_>,
+    ) -> Result<Tensor> {
+        check_rows(&x, batch)?;
+        let context = self.spec().context_length;
+        if let Some(s) = batch.seqs.iter().find(|s| s.start + s.n > context) {
+            return Err(ModelError::ContextExceeded {
+                position: s.start + s.n - 1,
+                context,
+            });
+        }
+        let positions = batch.positions();
+        let ropes: Vec<RopeTable> = self
+            .cfg
+            .rope_thetas()
+            .into_iter()
+            .map(|theta| RopeTable::new(theta, self.spec().head_dim, &positions))
+            .collect();
+        for l in layers {
+            let block = self.layers.get(l).and_then(Option::as_ref).ok_or_else(|| {
+                ModelError::LayerNotResident {
+                    layer: l,
+                    resident: self.resident_layers(),
+                }
+            })?;
+            let _span = tracing::trace_span!("layer", l).entered();
+            let theta = self.cfg.rope_theta(l);
+            let rope = ropes.iter().find(|r| r.theta == theta).ok_or_else(|| {
+                candle_core::Error::Msg(format!("no rope table for base {theta}"))
+            })?;
+            let mut ctx = LayerCtx {
+                layer: l,
+                batch,
+                rope,
+                shape: self.cfg.attn_shape(l),
+            };
+            x = block.forward(&x, &mut ctx)?;
+        }
+        Ok(x)
+    }
+
+    pub fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        self.final_norm.forward(x)
+    }
+
+    /// The LM head on already-normed states.
+    pub fn lm_head(&self, normed: &Tensor) -> Result<Tensor> {
+        let _span = tracing::trace_span!("lm_head").entered();
+        Ok(self.head.forward(normed)?)
+    }
+
+    /// Final norm then LM head: `[rows, vocab]` logits.
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.lm_head(&self.final_norm(hidden)?)
+    }
+
+    /// Embed, all layers, logits of every row: the plain full-depth forward.
+    pub fn forward(&self, tokens: &[u32], batch: &mut ForwardBatch<'_>) -> Result<Tensor> {
+        let x = self.embed(tokens)?;
+        let h = self.forward_layers(x, 0..self.n_layers(), batch)?;
+        self.logits(&h)
+    }
+}
