@@ -1,0 +1,225 @@
+//! Picks the next token from logits: repetition penalty, then greedy, or temperature, top-k
+//! and top-p followed by a draw from a seeded generator.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use switchyard_request::SamplingParams;
+
+/// The chosen token and its log-probability under the model's own (unmodified) distribution.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: f32,
+}
+
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+}
+
+impl Sampler {
+    /// `params` must be valid ([`SamplingParams::validate`]).
+    pub fn new(params: &SamplingParams) -> Self {
+        let rng = match params.seed {
+            Some(s) => StdRng::seed_from_u64(s),
+            None => StdRng::from_os_rng(),
+        };
+        Self {
+            params: params.clone(),
+            rng,
+        }
+    }
+
+    /// `history`: prompt and generated tokens so far (for the repetition penalty).
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Sampled {
+        let _span = tracing::trace_span!("sample").entered();
+        let p = &self.params;
+        let mut l = logits.to_vec();
+        if p.repetition_penalty != 1.0 {
+            let mut seen = vec![false; l.len()];
+            for &t in history {
+                let i = t as usize;
+                if i < l.len() && !seen[i] {
+                    seen[i] = true;
+                    l[i] = if l[i] > 0.0 {
+                        l[i] / p.repetition_penalty
+                    } else {
+                        l[i] * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        let token = if p.is_greedy() {
+            argmax(&l)
+        } else {
+            self.draw(&l)
+        };
+        Sampled {
+            token: token as u32,
+            logprob: log_softmax_at(logits, token),
+        }
+    }
+
+    fn draw(&mut self, l: &[f32]) -> usize {
+        let p = &self.params;
+        let inv_t = 1.0 / p.temperature;
+        // Candidates in descending logit order when a cut is needed; all tokens otherwise.
+        let mut idx: Vec<usize> = (0..l.len()).collect();
+        let by_logit = |a: &usize, b: &usize| l[*b].total_cmp(&l[*a]).then(a.cmp(b));
+        if p.top_k > 0 && p.top_k < idx.len() {
+            idx.select_nth_unstable_by(p.top_k - 1, by_logit);
+            idx.truncate(p.top_k);
+        }
+        if p.top_p < 1.0 || p.top_k > 0 {
+            idx.sort_unstable_by(by_logit);
+        }
+        let max = idx.iter().map(|&i| l[i]).fold(f32::NEG_INFINITY, f32::max);
+        let mut probs: Vec<f64> = idx
+            .iter()
+            .map(|&i| (((l[i] - max) * inv_t) as f64).exp())
+            .collect();
+        let z: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= z);
+        if p.top_p < 1.0 {
+            let mut cum = 0.0;
+            let mut keep = probs.len();
+            for (n, x) in probs.iter().enumerate() {
+                cum += x;
+                if cum >= p.top_p as f64 {
+                    keep = n + 1;
+                    break;
+                }
+            }
+            probs.truncate(keep);
+            idx.truncate(keep);
+        }
+        let total: f64 = probs.iter().sum();
+        let mut u = self.rng.random::<f64>() * total;
+        for (n, x) in probs.iter().enumerate() {
+            u -= x;
+            if u <= 0.0 {
+                return idx[n];
+            }
+        }
+        idx[probs.len() - 1]
+    }
+}
+
+/// Index of the largest value (the first on ties).
+pub fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// `log softmax(logits)[i]`, accumulated in f64.
+pub fn log_softmax_at(logits: &[f32], i: usize) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let z: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
+    ((logits[i] - max) as f64 - z.ln()) as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+        let mut p = SamplingParams {
+            temperature: 1.0,
+            seed: Some(42),
+            ..SamplingParams::default()
+        };
+        f(&mut p);
+        p
+    }
+
+    #[test]
+    fn greedy_takes_argmax_and_reports_logprob() {
+        let mut s = Sampler::new(&SamplingParams::greedy(1));
+        let out = s.sample(&[0.0, 2.0, 1.0], &[]);
+        assert_eq!(out.token, 1);
+        let z = (0f64.exp() + 2f64.exp() + 1f64.exp()).ln();
+        assert!((out.logprob as f64 - (2.0 - z)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn same_seed_same_draws() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let draws = |seed| {
+            let mut s = Sampler::new(&params(|p| p.seed = Some(seed)));
+            (0..40)
+                .map(|_| s.sample(&logits, &[]).token)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draws(7), draws(7));
+        assert_ne!(draws(7), draws(8));
+    }
+
+    #[test]
+    fn top_k_and_top_p_restrict_the_support() {
+        let logits = [3.0f32, 2.9, 1.0, 0.5, -1.0];
+        let mut s = Sampler::new(&params(|p| p.top_k = 2));
+        for _ in 0..200 {
+            assert!(s.sample(&logits, &[]).token <= 1);
+        }
+        // softmax: 0.47, 0.43, 0.06, ... top_p 0.5 keeps two tokens, 0.4 keeps one.
+        let mut s = Sampler::new(&params(|p| p.top_p = 0.4));
+        for _ in 0..200 {
+            assert_eq!(s.sample(&logits, &[]).token, 0);
+        }
+        let mut s = Sampler::new(&params(|p| p.top_p = 0.5));
+        let mut seen = [0; 5];
+        for _ in 0..400 {
+            seen[s.sample(&logits, &[]).token as usize] += 1;
+        }
+        assert!(
+            seen[0] > 0 && seen[1] > 0 && seen[2..].iter().all(|&c| c == 0),
+            "{seen:?}"
+        );
+    }
+
+    #[test]
+    fn draws_follow_the_distribution() {
+        // p = softmax([ln 1, ln 2, ln 7]) = [0.1, 0.2, 0.7]
+        let logits = [0f32, 2f32.ln(), 7f32.ln()];
+        let mut s = Sampler::new(&params(|_| {}));
+        let n = 20_000;
+        let mut c = [0usize; 3];
+        for _ in 0..n {
+            c[s.sample(&logits, &[]).token as usize] += 1;
+        }
+        for (i, want) in [0.1, 0.2, 0.7].iter().enumerate() {
+            let got = c[i] as f64 / n as f64;
+            // 5 standard errors of a binomial proportion.
+            let se = (want * (1.0 - want) / n as f64).sqrt();
+            assert!((got - want).abs() < 5.0 * se, "token {i}: {got} vs {want}");
+        }
+        // Temperature 0.5 squares the odds: [1, 4, 49] / 54.
+        let mut s = Sampler::new(&params(|p| p.temperature = 0.5));
+        let mut c = [0usize; 3];
+        for _ in 0..n {
+            c[s.sample(&logits, &[]).token as usize] += 1;
+        }
+        let want = 49.0 / 54.0;
+        let got = c[2] as f64 / n as f64;
+        assert!((got - want).abs() < 5.0 * (want * (1.0 - want) / n as f64).sqrt());
+    }
+
+    #[test]
+    fn repetition_penalty_demotes_seen_tokens() {
+        let mut s = Sampler::new(&SamplingParams {
+            repetition_penalty: 2.0,
+            ..SamplingParams::greedy(1)
+        });
+        // 4.0 / 2 = 2.0 < 3.0
+        assert_eq!(s.sample(&[4.0, 3.0, -1.0], &[0]).token, 1);
+        // negative logits are multiplied: -1 * 2 = -2, token 2 stays last
+        assert_eq!(s.sample(&[-3.0, -4.0, -1.0], &[2]).token, 2);
+        assert_eq!(s.sample(&[-3.0, -4.0, -1.0], &[2, 0]).token, 2);
+    }
+}
