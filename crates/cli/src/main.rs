@@ -1,1 +1,86 @@
-fn main() {}
+//! The `switchyard` command line: model fetching, generation, evaluation and benchmarks.
+//!
+//! Human-readable output goes to stderr; `--json [FILE]` writes machine-readable results to
+//! FILE (stdout when omitted); generated text goes to stdout.
+
+mod bench;
+mod eval;
+mod generate;
+mod load;
+mod models;
+mod output;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "switchyard",
+    version,
+    about = "An LLM inference server that serves each request the best way"
+)]
+struct Cli {
+    /// Worker threads for model compute (default: all cores).
+    #[arg(long, global = true, env = "SWITCHYARD_THREADS")]
+    threads: Option<usize>,
+    /// Log more (-v: debug, -vv: trace). RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Fetch and list the built-in models and datasets.
+    #[command(subcommand)]
+    Models(models::ModelsCommand),
+    /// Generate text from a prompt, streamed to stdout.
+    Generate(generate::GenerateArgs),
+    /// Measure quality.
+    #[command(subcommand)]
+    Eval(eval::EvalCommand),
+    /// Measure speed.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    init_tracing(cli.verbose);
+    let threads = init_threads(cli.threads);
+    let result = match cli.command {
+        Command::Models(c) => models::run(c),
+        Command::Generate(a) => generate::run(a),
+        Command::Eval(c) => eval::run(c),
+        Command::Bench(c) => bench::run(c, threads),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn init_tracing(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Sets the compute thread count before any thread pool starts; returns it.
+fn init_threads(threads: Option<usize>) -> usize {
+    let n = threads
+        .filter(|&n| n > 0)
+        .or_else(|| std::env::var("RAYON_NUM_THREADS").ok()?.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    // Both rayon and candle's GEMM read this; nothing has started a pool yet.
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    n
+}

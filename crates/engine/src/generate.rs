@@ -137,16 +137,29 @@ fn emit(text: &mut String, piece: &str, on_text: &mut impl FnMut(&str)) {
     }
 }
 
-/// Forwards `tokens` at positions `start..` and returns the logits of the last one.
+/// Forwards `tokens` at positions `start..` through all layers and returns the logits of the
+/// last one.
 pub fn last_logits(
     model: &LayeredModel,
     kv: &mut DenseKv,
     start: usize,
     tokens: &[u32],
 ) -> Result<Vec<f32>> {
+    last_logits_at_depth(model, kv, start, tokens, model.n_layers())
+}
+
+/// As [`last_logits`], through the first `depth` layers only; the hidden state there goes
+/// through the model's own final norm and LM head (the logit lens).
+pub fn last_logits_at_depth(
+    model: &LayeredModel,
+    kv: &mut DenseKv,
+    start: usize,
+    tokens: &[u32],
+    depth: usize,
+) -> Result<Vec<f32>> {
     let x = model.embed(tokens)?;
     let mut batch = ForwardBatch::single(kv, start, tokens.len());
-    let h = model.forward_layers(x, 0..model.n_layers(), &mut batch)?;
+    let h = model.forward_layers(x, 0..depth, &mut batch)?;
     let last: Tensor = h.narrow(0, tokens.len() - 1, 1)?;
     Ok(model.logits(&last)?.flatten_all()?.to_vec1::<f32>()?)
 }

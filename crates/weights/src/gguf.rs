@@ -174,11 +174,13 @@ pub fn qtensor_from_bytes(
     device: &Device,
 ) -> Result<QTensor> {
     let expected = tensor_bytes(dtype, shape).ok_or_else(|| WeightsError::BadTensorShape {
+        path: PathBuf::new(),
         name: String::new(),
         detail: format!("{shape:?} is not a whole number of {dtype:?} blocks"),
     })?;
     if bytes.len() != expected {
         return Err(WeightsError::BadTensorShape {
+            path: PathBuf::new(),
             name: String::new(),
             detail: format!(
                 "{} bytes given, {expected} expected for {dtype:?} {shape:?}",
@@ -285,7 +287,7 @@ impl<'a> Cursor<'a> {
                 path: PathBuf::new(),
                 offset: at as u64,
                 detail: format!(
-                    "{what} is {n}, more than the {} bytes left in the file could hold",
+                    "{what} is {n}, more than the {} bytes left in the file could hold; the file is truncated or corrupt",
                     self.remaining()
                 ),
             }),
@@ -353,6 +355,7 @@ fn parse(buf: &[u8]) -> Result<Parsed> {
         for _ in 0..n_dims {
             let d = c.u64("tensor dimension")?;
             let d = usize::try_from(d).map_err(|_| WeightsError::BadTensorShape {
+                path: PathBuf::new(),
                 name: name.clone(),
                 detail: format!("dimension {d} does not fit in memory"),
             })?;
@@ -360,12 +363,14 @@ fn parse(buf: &[u8]) -> Result<Parsed> {
         }
         let type_id = c.u32("tensor type")?;
         let dtype = ggml_dtype_from_id(type_id).ok_or_else(|| WeightsError::UnknownTensorType {
+            path: PathBuf::new(),
             name: name.clone(),
             type_id,
         })?;
         let offset = c.u64("tensor offset")?;
         dims.reverse();
         let n_bytes = tensor_bytes(dtype, &dims).ok_or_else(|| WeightsError::BadTensorShape {
+            path: PathBuf::new(),
             name: name.clone(),
             detail: format!("{dims:?} is not a whole number of {dtype:?} blocks"),
         })?;

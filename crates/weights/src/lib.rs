@@ -56,10 +56,23 @@ pub enum WeightsError {
         end: u64,
         file_len: u64,
     },
-    #[error("tensor {name:?} has ggml type id {type_id}, which is not supported")]
-    UnknownTensorType { name: String, type_id: u32 },
-    #[error("tensor {name:?} has a bad shape: {detail}")]
-    BadTensorShape { name: String, detail: String },
+    #[error("{path}: tensor {name:?} has ggml type id {type_id}, which is not supported")]
+    UnknownTensorType {
+        path: PathBuf,
+        name: String,
+        type_id: u32,
+    },
+    #[error("{path}: tensor {name:?} has a bad shape: {detail}")]
+    BadTensorShape {
+        path: PathBuf,
+        name: String,
+        detail: String,
+    },
+    #[error("{path}: {source}")]
+    InFile {
+        path: PathBuf,
+        source: Box<WeightsError>,
+    },
     #[error("tensor {name:?} is missing from {source_desc}")]
     MissingTensor { name: String, source_desc: String },
     #[error("metadata key {key:?} is missing")]
@@ -121,6 +134,18 @@ impl WeightsError {
                 start,
                 end,
                 file_len,
+            },
+            WeightsError::UnknownTensorType { name, type_id, .. } => {
+                WeightsError::UnknownTensorType {
+                    path: p,
+                    name,
+                    type_id,
+                }
+            }
+            WeightsError::BadTensorShape { name, detail, .. } => WeightsError::BadTensorShape {
+                path: p,
+                name,
+                detail,
             },
             other => other,
         }
@@ -199,7 +224,10 @@ pub mod gguf_source {
     impl GgufSource {
         pub fn open(path: &Path) -> Result<Self> {
             let file = GgufFile::open(path)?;
-            let spec = ModelSpec::from_gguf(&file)?;
+            let spec = ModelSpec::from_gguf(&file).map_err(|e| WeightsError::InFile {
+                path: path.to_path_buf(),
+                source: Box::new(e),
+            })?;
             Ok(Self { file, spec })
         }
 

@@ -97,8 +97,13 @@ impl SafetensorsDir {
                 path: path.clone(),
                 source,
             })?;
-            let (header_len, header) = safetensors::SafeTensors::read_metadata(&mmap)
-                .map_err(|e| st_err(path, format!("bad header: {e}")))?;
+            let (header_len, header) =
+                safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| {
+                    match past_the_end(&mmap) {
+                        Some(detail) => st_err(path, detail),
+                        None => st_err(path, format!("bad header: {e}")),
+                    }
+                })?;
             let data_start = 8 + header_len;
             for (hf_name, info) in header.tensors() {
                 let Some(name) = names::from_hf(architecture, &hf_name) else {
@@ -153,6 +158,28 @@ impl SafetensorsDir {
             metadata,
         })
     }
+}
+
+/// The `safetensors` crate refuses a file whose header does not cover its data without saying
+/// which tensor is cut; this names the first tensor whose data runs past the end.
+fn past_the_end(buf: &[u8]) -> Option<String> {
+    let header_len = usize::try_from(u64::from_le_bytes(buf.get(..8)?.try_into().ok()?)).ok()?;
+    let data_start = header_len.checked_add(8)?;
+    let header: Value = serde_json::from_slice(buf.get(8..data_start)?).ok()?;
+    let data_len = (buf.len() - data_start) as u64;
+    header
+        .as_object()?
+        .iter()
+        .filter(|(name, _)| name.as_str() != "__metadata__")
+        .filter_map(|(name, info)| {
+            let o = info.get("data_offsets")?;
+            Some((o.get(0)?.as_u64()?, o.get(1)?.as_u64()?, name))
+        })
+        .filter(|&(_, end, _)| end > data_len)
+        .min_by_key(|&(start, _, _)| start)
+        .map(|(start, end, name)| {
+            format!("tensor {name} data [{start}, {end}) lies past the end of the file's {data_len} bytes of tensor data; the file is truncated or corrupt")
+        })
 }
 
 fn spec_from_hf(
