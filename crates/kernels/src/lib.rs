@@ -6,6 +6,8 @@
 //! candle's quantized matmul (which quantizes activations to 8-bit blocks, as llama.cpp does);
 //! float weights are kept as dense tensors and use candle's GEMM.
 
+pub mod cpu;
+
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};

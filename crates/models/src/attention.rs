@@ -4,14 +4,16 @@
 //! engine owns (dense or paged, see [`crate::kv`]), not in contiguous tensors; candle's CPU
 //! flash attention needs the latter and would force a copy of the whole cache every step.
 //!
-//! Every query row is computed the same way whatever else is in the batch: scores over the
-//! visible keys in position order, softmax, weighted sum of values in position order. So a
+//! Every (query row, head) is computed the same way whatever else is in the batch: scores over
+//! the visible keys in position order, softmax, weighted sum of values in position order. So a
 //! sequence's output does not depend on how it was batched or chunked (batch invariance): with
 //! row-independent matmul kernels, cached decoding, chunked prefill and continuous batching
 //! reproduce one-shot prefill bit for bit. Work is split over (sequence, key/value head, block
-//! of query rows).
+//! of query rows); the inner loops are compiled for AVX-512, AVX2 and scalar and picked once
+//! per process ([`switchyard_kernels::cpu::simd_level`]).
 
 use rayon::prelude::*;
+use switchyard_kernels::cpu::{simd_level, SimdLevel};
 
 use crate::kv::KvChunk;
 use crate::Result;
@@ -44,7 +46,9 @@ pub struct SeqAttn<'a> {
 /// order the sequences are given.
 pub fn attend(seqs: &[SeqAttn<'_>], shape: &AttnShape) -> Result<Vec<f32>> {
     let _span = tracing::trace_span!("attention", seqs = seqs.len()).entered();
-    let width = shape.n_heads * shape.head_dim;
+    let hd = shape.head_dim;
+    let width = shape.n_heads * hd;
+    let group = shape.n_heads / shape.n_kv_heads;
     for s in seqs {
         let held: usize = s.chunks.iter().map(|c| c.tokens).sum();
         if held < s.start + s.n {
@@ -55,95 +59,149 @@ pub fn attend(seqs: &[SeqAttn<'_>], shape: &AttnShape) -> Result<Vec<f32>> {
             .into());
         }
     }
-    // (sequence, first output row of the sequence, row range inside it)
+    // (sequence, its first row in the batch, key/value head, first row, end row)
     let mut tasks = Vec::new();
     let mut row0 = 0;
     for (si, s) in seqs.iter().enumerate() {
-        let mut i = 0;
-        while i < s.n {
-            let end = (i + ROWS_PER_TASK).min(s.n);
-            tasks.push((si, row0, i..end));
-            i = end;
+        for g in 0..shape.n_kv_heads {
+            let mut i = 0;
+            while i < s.n {
+                let end = (i + ROWS_PER_TASK).min(s.n);
+                tasks.push((si, row0, g, i, end));
+                i = end;
+            }
         }
         row0 += s.n;
     }
-    let mut out = vec![0f32; row0 * width];
-    // Hand each task the disjoint slice of `out` holding its rows.
-    let mut slices = Vec::with_capacity(tasks.len());
-    let mut rest: &mut [f32] = &mut out;
-    for (_, _, rows) in &tasks {
-        let (head, tail) = rest.split_at_mut(rows.len() * width);
-        slices.push(head);
-        rest = tail;
-    }
-    tasks
+    let level = simd_level();
+    let parts: Vec<Vec<f32>> = tasks
         .par_iter()
-        .zip(slices.into_par_iter())
-        .for_each(|((si, _, rows), dst)| {
-            let seq = &seqs[*si];
-            let mut scores = Vec::new();
-            for (k, i) in rows.clone().enumerate() {
-                let q_row = &seq.q[i * width..(i + 1) * width];
-                let o_row = &mut dst[k * width..(k + 1) * width];
-                attend_row(seq, seq.start + i, q_row, o_row, shape, &mut scores);
-            }
-        });
+        .map(|&(si, _, g, i0, i1)| run_task(&seqs[si], g, i0..i1, shape, level))
+        .collect();
+    let gw = group * hd;
+    let mut out = vec![0f32; row0 * width];
+    for (&(_, base, g, i0, i1), part) in tasks.iter().zip(&parts) {
+        for (k, i) in (i0..i1).enumerate() {
+            let dst = (base + i) * width + g * gw;
+            out[dst..dst + gw].copy_from_slice(&part[k * gw..(k + 1) * gw]);
+        }
+    }
     Ok(out)
 }
 
-/// All heads of one query row at position `pos`.
-fn attend_row(
+/// Output `[rows][group * head_dim]` of the query heads sharing key/value head `g`.
+fn run_task(
     seq: &SeqAttn<'_>,
-    pos: usize,
-    q_row: &[f32],
-    out: &mut [f32],
+    g: usize,
+    rows: std::ops::Range<usize>,
     shape: &AttnShape,
-    scores: &mut Vec<f32>,
-) {
+    level: SimdLevel,
+) -> Vec<f32> {
     let hd = shape.head_dim;
     let group = shape.n_heads / shape.n_kv_heads;
-    let lo = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-    let hi = pos + 1;
-    for h in 0..shape.n_heads {
-        let g = h / group;
-        let q = &q_row[h * hd..(h + 1) * hd];
+    let width = shape.n_heads * hd;
+    let mut out = vec![0f32; rows.len() * group * hd];
+    let mut scores = Vec::new();
+    for (k, i) in rows.enumerate() {
+        let pos = seq.start + i;
+        let head = HeadJob {
+            chunks: &seq.chunks,
+            offset: g * hd,
+            row: shape.n_kv_heads * hd,
+            lo: shape.window.map_or(0, |w| (pos + 1).saturating_sub(w)),
+            hi: pos + 1,
+            scale: shape.scale,
+        };
+        for hl in 0..group {
+            let h = g * group + hl;
+            let q = &seq.q[i * width + h * hd..i * width + (h + 1) * hd];
+            let o = &mut out[(k * group + hl) * hd..(k * group + hl + 1) * hd];
+            head.run(level, q, &mut scores, o);
+        }
+    }
+    out
+}
+
+/// One query head against the visible keys of its key/value head.
+struct HeadJob<'a, 'b> {
+    chunks: &'a [KvChunk<'b>],
+    /// Offset of this key/value head inside a cache row.
+    offset: usize,
+    /// Values per cache row (all key/value heads of one position).
+    row: usize,
+    /// Visible positions `lo..hi`.
+    lo: usize,
+    hi: usize,
+    scale: f32,
+}
+
+impl HeadJob<'_, '_> {
+    fn run(&self, level: SimdLevel, q: &[f32], scores: &mut Vec<f32>, out: &mut [f32]) {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: simd_level() returns Avx512 only when the CPU reports avx512f.
+            SimdLevel::Avx512 => unsafe { self.run_avx512(q, scores, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: simd_level() returns Avx2 only when the CPU reports avx2 and fma.
+            SimdLevel::Avx2 => unsafe { self.run_avx2(q, scores, out) },
+            _ => self.run_portable(q, scores, out),
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn run_avx512(&self, q: &[f32], scores: &mut Vec<f32>, out: &mut [f32]) {
+        self.run_portable(q, scores, out)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_avx2(&self, q: &[f32], scores: &mut Vec<f32>, out: &mut [f32]) {
+        self.run_portable(q, scores, out)
+    }
+
+    /// The one implementation; the wrappers above compile it with wider vectors.
+    #[inline(always)]
+    fn run_portable(&self, q: &[f32], scores: &mut Vec<f32>, out: &mut [f32]) {
+        let hd = q.len();
         scores.clear();
-        visit(seq, lo, hi, |k_all, _| {
-            scores.push(dot(q, &k_all[g * hd..(g + 1) * hd]) * shape.scale);
-        });
+        self.for_each(|k, _| scores.push(dot(q, &k[self.offset..self.offset + hd]) * self.scale));
         softmax_in_place(scores);
-        let acc = &mut out[h * hd..(h + 1) * hd];
         let mut j = 0;
-        visit(seq, lo, hi, |_, v_all| {
-            axpy(scores[j], &v_all[g * hd..(g + 1) * hd], acc);
+        self.for_each(|_, v| {
+            axpy(scores[j], &v[self.offset..self.offset + hd], out);
             j += 1;
         });
     }
-}
 
-/// Calls `f(k_row, v_row)` for each cached position in `lo..hi`, in order.
-#[inline]
-fn visit(seq: &SeqAttn<'_>, lo: usize, hi: usize, mut f: impl FnMut(&[f32], &[f32])) {
-    let mut pos = 0;
-    for c in &seq.chunks {
-        if pos >= hi {
-            break;
+    /// Calls `f(k_row, v_row)` for each visible position, in order.
+    #[inline(always)]
+    fn for_each(&self, mut f: impl FnMut(&[f32], &[f32])) {
+        let mut pos = 0;
+        for c in self.chunks {
+            if pos >= self.hi {
+                break;
+            }
+            let from = self.lo.saturating_sub(pos).min(c.tokens);
+            let to = (self.hi - pos).min(c.tokens);
+            for t in from..to {
+                let r = t * self.row..(t + 1) * self.row;
+                f(&c.k[r.clone()], &c.v[r]);
+            }
+            pos += c.tokens;
         }
-        let row = c.k.len().checked_div(c.tokens).unwrap_or(0);
-        let from = lo.saturating_sub(pos).min(c.tokens);
-        let to = (hi - pos).min(c.tokens);
-        for t in from..to {
-            f(&c.k[t * row..(t + 1) * row], &c.v[t * row..(t + 1) * row]);
-        }
-        pos += c.tokens;
     }
 }
 
-#[inline]
+/// Lanes of the accumulators: one AVX-512 register, two AVX2 registers.
+const LANES: usize = 16;
+
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent sums let the compiler vectorise without reassociating one chain.
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    // Independent lane sums let the compiler vectorise without reassociating one chain; the
+    // summation order is fixed, so every row gets the same arithmetic.
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let tail: f32 = ca
         .remainder()
         .iter()
@@ -151,20 +209,28 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| x * y)
         .sum();
     for (x, y) in ca.zip(cb) {
-        for k in 0..8 {
+        for k in 0..LANES {
             acc[k] += x[k] * y[k];
         }
     }
-    acc.iter().sum::<f32>() + tail
+    let mut s = tail;
+    for half in [8, 4, 2, 1] {
+        for k in 0..half {
+            acc[k] += acc[k + half];
+        }
+    }
+    s += acc[0];
+    s
 }
 
-#[inline]
+#[inline(always)]
 fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     for (yi, xi) in y.iter_mut().zip(x) {
         *yi += a * xi;
     }
 }
 
+#[inline(always)]
 fn softmax_in_place(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f32;
