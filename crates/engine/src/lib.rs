@@ -5,6 +5,7 @@
 //! touches weights.
 
 pub mod generate;
+pub mod kv;
 pub mod sampler;
 pub mod score;
 pub mod stop;
