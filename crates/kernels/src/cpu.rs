@@ -14,7 +14,7 @@ pub enum SimdLevel {
     Scalar,
     /// AVX2 with FMA (256-bit).
     Avx2,
-    /// AVX-512 Foundation (512-bit).
+    /// AVX-512 Foundation, Byte/Word and VNNI (512-bit integer dot products).
     Avx512,
 }
 
@@ -42,7 +42,10 @@ pub fn simd_level() -> SimdLevel {
 
 #[cfg(target_arch = "x86_64")]
 fn detect() -> SimdLevel {
-    if is_x86_feature_detected!("avx512f") {
+    if is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vnni")
+    {
         SimdLevel::Avx512
     } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
         SimdLevel::Avx2
@@ -54,4 +57,13 @@ fn detect() -> SimdLevel {
 #[cfg(not(target_arch = "x86_64"))]
 fn detect() -> SimdLevel {
     SimdLevel::Scalar
+}
+
+/// Every level this CPU can run, scalar first (for tests that compare them).
+pub fn available_levels() -> Vec<SimdLevel> {
+    let best = detect();
+    [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512]
+        .into_iter()
+        .filter(|&l| l <= best)
+        .collect()
 }

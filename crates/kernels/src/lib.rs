@@ -1,24 +1,34 @@
 //! The matmul seam: every weight-by-activation product in the model goes through [`QLinear`].
 //!
-//! A `QLinear` owns one weight matrix in its stored type (f32, f16, bf16 or a ggml block
-//! quantization) and an optional bias. Which kernel runs is decided here, per tensor type and
-//! shape, so faster kernels can be added without touching model code. Today every type goes to
-//! candle's quantized matmul (which quantizes activations to 8-bit blocks, as llama.cpp does);
-//! float weights are kept as dense tensors and use candle's GEMM.
+//! A `QLinear` owns one weight matrix and an optional bias. Which kernel runs is decided here,
+//! per tensor type: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K are repacked at load into this
+//! crate's panel layout and multiplied by [`quant`]'s integer kernels (AVX-512 VNNI, AVX2 or
+//! scalar, picked at run time); float weights use candle's GEMM; other ggml types stay on
+//! candle's quantized kernels.
 
 pub mod cpu;
+pub mod quant;
 
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 
+use quant::PackedWeight;
+
 pub type Result<T> = candle_core::Result<T>;
 
+#[derive(Debug, Clone)]
+enum Kernel {
+    Packed(Arc<PackedWeight>),
+    Candle(QMatMul),
+}
+
 /// A linear layer `y = x W^T + b` whose weight `W` is `[out_features, in_features]`.
+/// Cloning shares the weight (tied embeddings and LM head hold one copy).
 #[derive(Debug, Clone)]
 pub struct QLinear {
-    inner: QMatMul,
+    kernel: Kernel,
     bias: Option<Tensor>,
     dtype: GgmlDType,
     out_features: usize,
@@ -28,8 +38,23 @@ pub struct QLinear {
 }
 
 impl QLinear {
+    /// The weight in its stored type, on the fastest kernel for that type.
     pub fn new(weight: QTensor, bias: Option<Tensor>) -> Result<Self> {
-        Self::from_arc(Arc::new(weight), bias)
+        let (out_features, in_features) = weight.shape().dims2()?;
+        let dtype = weight.dtype();
+        let on_cpu = weight.device().is_cpu();
+        let kernel = match (on_cpu, PackedWeight::from_qtensor(&weight)?) {
+            (true, Some(p)) => Kernel::Packed(Arc::new(p)),
+            // Built directly rather than with `QMatMul::from_arc`, which consults the
+            // process-wide CANDLE_DEQUANTIZE_ALL variables: the kernel choice belongs here.
+            _ => Kernel::Candle(match dtype {
+                GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+                    QMatMul::Tensor(weight.dequantize(&weight.device())?.to_dtype(DType::F32)?)
+                }
+                _ => QMatMul::QTensor(Arc::new(weight)),
+            }),
+        };
+        Self::from_parts(kernel, bias, dtype, out_features, in_features)
     }
 
     /// Dequantizes the weight to a dense `dtype` (F32 or F16) matrix and uses GEMM: the
@@ -42,26 +67,17 @@ impl QLinear {
             DType::F16 => QMatMul::TensorF16(w),
             _ => QMatMul::Tensor(w),
         };
-        Self::from_parts(inner, bias, stored, out_features, in_features)
-    }
-
-    /// Shares a weight with another user (tied embeddings share the LM head's matrix).
-    pub fn from_arc(weight: Arc<QTensor>, bias: Option<Tensor>) -> Result<Self> {
-        let (out_features, in_features) = weight.shape().dims2()?;
-        let dtype = weight.dtype();
-        // Built directly rather than with `QMatMul::from_arc`, which consults the process-wide
-        // CANDLE_DEQUANTIZE_ALL variables: the kernel choice belongs to this seam alone.
-        let inner = match dtype {
-            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
-                QMatMul::Tensor(weight.dequantize(&weight.device())?.to_dtype(DType::F32)?)
-            }
-            _ => QMatMul::QTensor(weight),
-        };
-        Self::from_parts(inner, bias, dtype, out_features, in_features)
+        Self::from_parts(
+            Kernel::Candle(inner),
+            bias,
+            stored,
+            out_features,
+            in_features,
+        )
     }
 
     fn from_parts(
-        inner: QMatMul,
+        kernel: Kernel,
         bias: Option<Tensor>,
         dtype: GgmlDType,
         out_features: usize,
@@ -73,17 +89,20 @@ impl QLinear {
                 candle_core::bail!("bias has {n} values for {out_features} outputs");
             }
         }
-        let resident_bytes = match &inner {
-            QMatMul::QTensor(q) => q.storage_size_in_bytes(),
-            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => {
+        let weight_bytes = match &kernel {
+            Kernel::Packed(p) => p.bytes(),
+            Kernel::Candle(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
+            Kernel::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
                 t.elem_count() * t.dtype().size_in_bytes()
             }
-        } + bias
-            .as_ref()
-            .map_or(0, |b| b.elem_count() * b.dtype().size_in_bytes());
+        };
+        let resident_bytes = weight_bytes
+            + bias
+                .as_ref()
+                .map_or(0, |b| b.elem_count() * b.dtype().size_in_bytes());
         let span = tracing::trace_span!("qlinear", out = out_features, inp = in_features);
         Ok(Self {
-            inner,
+            kernel,
             bias,
             dtype,
             out_features,
@@ -93,14 +112,34 @@ impl QLinear {
         })
     }
 
-    /// `x`: `[.., in_features]` f32, contiguous. Returns `[.., out_features]` f32.
+    /// `x`: `[.., in_features]` f32. Returns `[.., out_features]` f32.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _enter = self.span.enter();
-        let y = self.inner.forward(x)?;
-        let y = if y.dtype() == DType::F32 {
-            y
-        } else {
-            y.to_dtype(DType::F32)?
+        let y = match &self.kernel {
+            Kernel::Packed(p) => {
+                let mut dims = x.dims().to_vec();
+                let k = dims.pop().unwrap_or(0);
+                if k != self.in_features {
+                    candle_core::bail!(
+                        "input has {k} features, the layer takes {}",
+                        self.in_features
+                    );
+                }
+                let rows: usize = dims.iter().product();
+                let xs = x.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                let mut out = vec![0f32; rows * self.out_features];
+                p.matmul(&xs, rows, &mut out);
+                dims.push(self.out_features);
+                Tensor::from_vec(out, dims, x.device())?
+            }
+            Kernel::Candle(q) => {
+                let y = q.forward(x)?;
+                if y.dtype() == DType::F32 {
+                    y
+                } else {
+                    y.to_dtype(DType::F32)?
+                }
+            }
         };
         match &self.bias {
             Some(b) => y.broadcast_add(b),
@@ -108,7 +147,33 @@ impl QLinear {
         }
     }
 
-    /// The weight's stored type (before any dequantization for the kernel).
+    /// Rows `ids` of the weight as f32 `[ids.len(), in_features]` (an embedding lookup),
+    /// dequantized exactly as ggml does.
+    pub fn rows(&self, ids: &[u32]) -> Result<Tensor> {
+        let k = self.in_features;
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.out_features) {
+            candle_core::bail!("row {bad} of a {}-row matrix", self.out_features);
+        }
+        match &self.kernel {
+            Kernel::Packed(p) => {
+                let mut out = vec![0f32; ids.len() * k];
+                for (i, &id) in ids.iter().enumerate() {
+                    p.dequantize_row(id as usize, &mut out[i * k..(i + 1) * k]);
+                }
+                Tensor::from_vec(out, (ids.len(), k), &candle_core::Device::Cpu)
+            }
+            Kernel::Candle(q) => {
+                let device = match q {
+                    QMatMul::QTensor(t) => t.device(),
+                    QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.device().clone(),
+                };
+                let ids = Tensor::new(ids, &device)?;
+                q.embedding(&ids)?.to_dtype(DType::F32)
+            }
+        }
+    }
+
+    /// The weight's stored type (before any repacking or dequantization for the kernel).
     pub fn dtype(&self) -> GgmlDType {
         self.dtype
     }
@@ -121,8 +186,28 @@ impl QLinear {
         self.in_features
     }
 
-    /// Bytes this layer keeps in memory (weight as held for the kernel, plus bias).
+    /// Bytes this layer keeps in memory (weight as held for its kernel, plus bias).
     pub fn resident_bytes(&self) -> usize {
         self.resident_bytes
+    }
+
+    /// Bytes [`QLinear::new`] will hold for a weight of `dtype` and `shape` `[n, k]` (without
+    /// bias), so residency can be planned before loading.
+    pub fn planned_bytes(dtype: GgmlDType, shape: &[usize]) -> usize {
+        let elems: usize = shape.iter().product();
+        match (dtype, shape) {
+            (GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16, _) => elems * 4,
+            (_, &[n, k]) => PackedWeight::planned_bytes(dtype, n, k)
+                .unwrap_or(elems / dtype.block_size() * dtype.type_size()),
+            _ => elems / dtype.block_size() * dtype.type_size(),
+        }
+    }
+
+    /// Name of the kernel family serving this layer (for reports).
+    pub fn kernel_name(&self) -> &'static str {
+        match &self.kernel {
+            Kernel::Packed(_) => "switchyard",
+            Kernel::Candle(_) => "candle",
+        }
     }
 }

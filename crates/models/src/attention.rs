@@ -104,26 +104,27 @@ fn run_task(
     let mut scores = Vec::new();
     for (k, i) in rows.enumerate() {
         let pos = seq.start + i;
-        let head = HeadJob {
+        let job = GroupJob {
             chunks: &seq.chunks,
             offset: g * hd,
             row: shape.n_kv_heads * hd,
             lo: shape.window.map_or(0, |w| (pos + 1).saturating_sub(w)),
             hi: pos + 1,
             scale: shape.scale,
+            heads: group,
+            hd,
         };
-        for hl in 0..group {
-            let h = g * group + hl;
-            let q = &seq.q[i * width + h * hd..i * width + (h + 1) * hd];
-            let o = &mut out[(k * group + hl) * hd..(k * group + hl + 1) * hd];
-            head.run(level, q, &mut scores, o);
-        }
+        // The group's query heads are adjacent in the row, and so are their outputs.
+        let q = &seq.q[i * width + g * group * hd..i * width + (g + 1) * group * hd];
+        let o = &mut out[k * group * hd..(k + 1) * group * hd];
+        job.run(level, q, &mut scores, o);
     }
     out
 }
 
-/// One query head against the visible keys of its key/value head.
-struct HeadJob<'a, 'b> {
+/// The query heads sharing one key/value head, for one query row: each visible key and value
+/// is read once for all of them.
+struct GroupJob<'a, 'b> {
     chunks: &'a [KvChunk<'b>],
     /// Offset of this key/value head inside a cache row.
     offset: usize,
@@ -133,43 +134,105 @@ struct HeadJob<'a, 'b> {
     lo: usize,
     hi: usize,
     scale: f32,
+    heads: usize,
+    hd: usize,
 }
 
-impl HeadJob<'_, '_> {
+impl GroupJob<'_, '_> {
+    /// `q`, `out`: `[heads][hd]`; `scores` is scratch.
     fn run(&self, level: SimdLevel, q: &[f32], scores: &mut Vec<f32>, out: &mut [f32]) {
+        let len = self.hi - self.lo;
+        scores.clear();
+        scores.resize(self.heads * len, 0.0);
+        out.fill(0.0);
         match level {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: simd_level() returns Avx512 only when the CPU reports avx512f.
-            SimdLevel::Avx512 => unsafe { self.run_avx512(q, scores, out) },
+            SimdLevel::Avx512 if self.hd.is_multiple_of(16) => unsafe {
+                self.run_avx512(q, scores, out)
+            },
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: simd_level() returns Avx2 only when the CPU reports avx2 and fma.
-            SimdLevel::Avx2 => unsafe { self.run_avx2(q, scores, out) },
+            // SAFETY: simd_level() returns Avx2/Avx512 only when the CPU reports avx2 and fma.
+            SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { self.run_avx2(q, scores, out) },
             _ => self.run_portable(q, scores, out),
         }
     }
 
+    /// Explicit AVX-512 for head sizes that are a multiple of 16 (all zoo models).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    unsafe fn run_avx512(&self, q: &[f32], scores: &mut Vec<f32>, out: &mut [f32]) {
-        self.run_portable(q, scores, out)
+    unsafe fn run_avx512(&self, q: &[f32], scores: &mut [f32], out: &mut [f32]) {
+        use std::arch::x86_64::*;
+        let (hd, heads, off) = (self.hd, self.heads, self.offset);
+        let len = self.hi - self.lo;
+        let mut j = 0;
+        self.for_each(|k, _| {
+            let k = &k[off..off + hd];
+            for h in 0..heads {
+                let qh = &q[h * hd..(h + 1) * hd];
+                let mut acc = _mm512_setzero_ps();
+                let mut c = 0;
+                while c < hd {
+                    acc = _mm512_fmadd_ps(
+                        _mm512_loadu_ps(qh.as_ptr().add(c)),
+                        _mm512_loadu_ps(k.as_ptr().add(c)),
+                        acc,
+                    );
+                    c += 16;
+                }
+                scores[h * len + j] = _mm512_reduce_add_ps(acc) * self.scale;
+            }
+            j += 1;
+        });
+        for h in 0..heads {
+            softmax_in_place(&mut scores[h * len..(h + 1) * len]);
+        }
+        let mut j = 0;
+        self.for_each(|_, v| {
+            let v = &v[off..off + hd];
+            for h in 0..heads {
+                let p = _mm512_set1_ps(scores[h * len + j]);
+                let oh = &mut out[h * hd..(h + 1) * hd];
+                let mut c = 0;
+                while c < hd {
+                    let o = _mm512_loadu_ps(oh.as_ptr().add(c));
+                    let o = _mm512_fmadd_ps(p, _mm512_loadu_ps(v.as_ptr().add(c)), o);
+                    _mm512_storeu_ps(oh.as_mut_ptr().add(c), o);
+                    c += 16;
+                }
+            }
+            j += 1;
+        });
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2(&self, q: &[f32], scores: &mut Vec<f32>, out: &mut [f32]) {
+    unsafe fn run_avx2(&self, q: &[f32], scores: &mut [f32], out: &mut [f32]) {
         self.run_portable(q, scores, out)
     }
 
-    /// The one implementation; the wrappers above compile it with wider vectors.
+    /// The portable implementation; `run_avx2` compiles it with 256-bit vectors.
     #[inline(always)]
-    fn run_portable(&self, q: &[f32], scores: &mut Vec<f32>, out: &mut [f32]) {
-        let hd = q.len();
-        scores.clear();
-        self.for_each(|k, _| scores.push(dot(q, &k[self.offset..self.offset + hd]) * self.scale));
-        softmax_in_place(scores);
+    fn run_portable(&self, q: &[f32], scores: &mut [f32], out: &mut [f32]) {
+        let (hd, heads, off) = (self.hd, self.heads, self.offset);
+        let len = self.hi - self.lo;
+        let mut j = 0;
+        self.for_each(|k, _| {
+            let k = &k[off..off + hd];
+            for h in 0..heads {
+                scores[h * len + j] = dot(&q[h * hd..(h + 1) * hd], k) * self.scale;
+            }
+            j += 1;
+        });
+        for h in 0..heads {
+            softmax_in_place(&mut scores[h * len..(h + 1) * len]);
+        }
         let mut j = 0;
         self.for_each(|_, v| {
-            axpy(scores[j], &v[self.offset..self.offset + hd], out);
+            let v = &v[off..off + hd];
+            for h in 0..heads {
+                axpy(scores[h * len + j], v, &mut out[h * hd..(h + 1) * hd]);
+            }
             j += 1;
         });
     }

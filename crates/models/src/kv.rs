@@ -17,7 +17,8 @@ pub struct KvChunk<'a> {
 /// One sequence's cache, as the model reads and writes it.
 pub trait SeqKv: Send + Sync {
     /// Stores K and V rows for positions `start..start + n` of `layer` (`k.len() == n * row`).
-    /// `start` may be below the stored length (overwrite, e.g. recomputation) but not above it.
+    /// `start` may be below the stored length (overwrite, e.g. recomputation) but not above it;
+    /// a cache may refuse to overwrite positions it shares with other sequences.
     fn write(&mut self, layer: usize, start: usize, k: &[f32], v: &[f32]) -> Result<()>;
     /// Positions `0..len` of `layer`, in order.
     fn chunks(&self, layer: usize, len: usize) -> Result<Vec<KvChunk<'_>>>;

@@ -50,6 +50,9 @@ pub enum ModelError {
         len: usize,
         stored: usize,
     },
+    /// A cache implementation's own failure (e.g. a paged cache refusing a write).
+    #[error(transparent)]
+    Kv(Box<dyn std::error::Error + Send + Sync>),
     #[error("batch holds {batch} tokens but the hidden state has {hidden} rows")]
     BatchMismatch { batch: usize, hidden: usize },
 }

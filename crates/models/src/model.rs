@@ -3,7 +3,6 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use switchyard_kernels::QLinear;
 use switchyard_weights::{names, Architecture, ModelSpec, WeightSource};
@@ -78,7 +77,10 @@ pub struct LayeredModel {
     cfg: ArchConfig,
     device: Device,
     format: WeightFormat,
-    embedding: Arc<QTensor>,
+    /// Token embeddings, in their stored type (lookups dequantize exactly).
+    embedding: QLinear,
+    /// Whether `head` shares the embedding's weight.
+    head_is_embedding: bool,
     layers: Vec<Option<Arc<dyn Block>>>,
     final_norm: RmsNorm,
     head: QLinear,
@@ -135,10 +137,11 @@ impl LayeredModel {
             device,
             format: opts.format,
         };
-        let embedding = Arc::new(source.load(names::TOKEN_EMBD, device)?);
-        let head = match (spec.tied_embeddings, opts.format) {
-            (true, WeightFormat::AsStored) => QLinear::from_arc(embedding.clone(), None)?,
-            (true, _) => ld.linear(names::TOKEN_EMBD, None)?,
+        let embedding = QLinear::new(source.load(names::TOKEN_EMBD, device)?, None)?;
+        let head_is_embedding = spec.tied_embeddings && opts.format == WeightFormat::AsStored;
+        let head = match (spec.tied_embeddings, head_is_embedding) {
+            (_, true) => embedding.clone(),
+            (true, false) => ld.linear(names::TOKEN_EMBD, None)?,
             (false, _) => ld.linear(names::OUTPUT, None)?,
         };
         let final_norm = ld.norm(names::OUTPUT_NORM)?;
@@ -149,6 +152,7 @@ impl LayeredModel {
         }
         Ok(Self {
             format: opts.format,
+            head_is_embedding,
             source,
             cfg,
             device: device.clone(),
@@ -227,24 +231,30 @@ impl LayeredModel {
         }
     }
 
-    /// Bytes layer `l` takes when resident, from the tensor sizes in the source.
+    /// Bytes layer `l` takes when resident (as its kernels hold it), computed from the tensor
+    /// types and shapes in the source without loading anything.
     pub fn layer_bytes(&self, l: usize) -> usize {
         names::layer_tensors(self.spec())
             .iter()
             .filter_map(|(suffix, _)| self.source.tensor_meta(&names::layer(l, suffix)))
-            .map(|m| m.n_bytes)
+            .map(|m| match self.format {
+                WeightFormat::AsStored => QLinear::planned_bytes(m.dtype, &m.shape),
+                WeightFormat::F32 => m.shape.iter().product::<usize>() * 4,
+                WeightFormat::F16 if m.shape.len() == 2 => m.shape.iter().product::<usize>() * 2,
+                WeightFormat::F16 => m.shape.iter().product::<usize>() * 4,
+            })
             .sum()
     }
 
     pub fn resident_bytes(&self) -> ResidentBytes {
         let head = self.final_norm.bytes()
-            + if self.spec().tied_embeddings && self.format == WeightFormat::AsStored {
+            + if self.head_is_embedding {
                 0
             } else {
                 self.head.resident_bytes()
             };
         ResidentBytes {
-            embedding: self.embedding.storage_size_in_bytes(),
+            embedding: self.embedding.resident_bytes(),
             head,
             layers: self
                 .layers
@@ -261,8 +271,7 @@ impl LayeredModel {
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(ModelError::TokenOutOfRange { id, vocab });
         }
-        let ids = Tensor::new(tokens, &self.device)?;
-        let x = self.embedding.embedding(&ids)?;
+        let x = self.embedding.rows(tokens)?;
         Ok(match self.cfg.embed_scale {
             Some(s) => (x * s as f64)?,
             None => x,

@@ -1,0 +1,262 @@
+//! [`BlockPool`]: every KV block's memory, allocated up front and handed out as owned [`Block`]s.
+//!
+//! A block holds `block_tokens` positions of one layer: all K rows, then all V rows, each row
+//! `n_kv_heads * head_dim` f32 values. The pool allocates its blocks when it is created (and in
+//! [`BlockPool::grow`]); `allocate` and `release` only move blocks between the free list and
+//! their owners, so serving never allocates KV memory. `grow` and `shrink` change the pool's
+//! memory when residency changes (layers loaded or dropped), never per step.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Positions per block.
+pub const BLOCK_TOKENS: usize = 16; // vLLM's default block size
+
+/// Tells pools apart, so a block can only return to the pool that made it.
+static NEXT_POOL: AtomicU32 = AtomicU32::new(0);
+
+/// A block's identity: which pool made it and its serial number there. Never reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId {
+    pub pool: u32,
+    pub index: u64,
+}
+
+/// One block's buffer: `2 * block_tokens * row` f32, K rows then V rows. Only a pool makes
+/// blocks; a block is owned by exactly one place at a time (the pool's free list, a
+/// sequence's table, or an `Arc` shared through the prefix cache).
+pub struct Block {
+    id: BlockId,
+    data: Box<[f32]>,
+}
+
+impl Block {
+    pub fn id(&self) -> BlockId {
+        self.id
+    }
+
+    /// The whole buffer: K rows `[0, block_tokens * row)`, then V rows.
+    pub fn data(&self) -> &[f32] {
+        &self.data
+    }
+
+    pub fn data_mut(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+}
+
+impl std::fmt::Debug for Block {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Block")
+            .field("id", &self.id)
+            .field("values", &self.data.len())
+            .finish()
+    }
+}
+
+/// A fixed set of equally sized KV blocks and the free list among them.
+#[derive(Debug)]
+pub struct BlockPool {
+    id: u32,
+    row: usize,
+    block_tokens: usize,
+    free: Vec<Block>,
+    total: usize,
+    next_index: u64,
+}
+
+impl BlockPool {
+    /// A pool of `n_blocks` blocks of `block_tokens` positions of `row` values, all allocated
+    /// now.
+    ///
+    /// # Panics
+    /// When `row` or `block_tokens` is zero (a model spec that passed validation never gives
+    /// either).
+    pub fn new(row: usize, block_tokens: usize, n_blocks: usize) -> Self {
+        assert!(
+            row > 0 && block_tokens > 0,
+            "a KV block needs a positive row ({row}) and block size ({block_tokens})"
+        );
+        let mut pool = Self {
+            id: NEXT_POOL.fetch_add(1, Ordering::Relaxed),
+            row,
+            block_tokens,
+            free: Vec::new(),
+            total: 0,
+            next_index: 0,
+        };
+        pool.grow(n_blocks);
+        pool
+    }
+
+    /// Values per position and layer (`n_kv_heads * head_dim`).
+    pub fn row(&self) -> usize {
+        self.row
+    }
+
+    pub fn block_tokens(&self) -> usize {
+        self.block_tokens
+    }
+
+    /// f32 values in one block.
+    pub fn block_len(&self) -> usize {
+        2 * self.block_tokens * self.row
+    }
+
+    pub fn block_bytes(&self) -> usize {
+        self.block_len() * std::mem::size_of::<f32>()
+    }
+
+    pub fn total_blocks(&self) -> usize {
+        self.total
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Blocks handed out and not yet returned (in sequences' tables or the prefix cache).
+    pub fn used_blocks(&self) -> usize {
+        self.total - self.free.len()
+    }
+
+    /// Bytes of every block the pool has allocated, used or free.
+    pub fn bytes_total(&self) -> usize {
+        self.total * self.block_bytes()
+    }
+
+    pub fn bytes_used(&self) -> usize {
+        self.used_blocks() * self.block_bytes()
+    }
+
+    pub fn bytes_free(&self) -> usize {
+        self.free_blocks() * self.block_bytes()
+    }
+
+    /// A free block, or `None` when all are in use. Its contents are whatever its last owner
+    /// wrote; a [`crate::kv::PagedKv`] only reads positions it has written.
+    pub fn allocate(&mut self) -> Option<Block> {
+        self.free.pop()
+    }
+
+    /// Returns a block to the free list. A block made by another pool is a caller bug: it is
+    /// dropped (its memory freed) and this pool's counts are left as they were.
+    pub fn release(&mut self, block: Block) {
+        if block.id.pool != self.id {
+            debug_assert!(false, "block {:?} released into pool {}", block.id, self.id);
+            tracing::error!(block = ?block.id, pool = self.id, "block released into the wrong pool");
+            return;
+        }
+        self.free.push(block);
+    }
+
+    /// Allocates `n` more blocks (a residency change freed memory for them).
+    pub fn grow(&mut self, n: usize) {
+        let _span = tracing::debug_span!("kv_pool_grow", n, total = self.total).entered();
+        let len = self.block_len();
+        self.free.reserve(n);
+        for _ in 0..n {
+            self.free.push(Block {
+                id: BlockId {
+                    pool: self.id,
+                    index: self.next_index,
+                },
+                data: vec![0f32; len].into_boxed_slice(),
+            });
+            self.next_index += 1;
+        }
+        self.total += n;
+    }
+
+    /// Frees the memory of up to `n` free blocks (used blocks are never touched) and returns
+    /// how many were freed. To free more, release sequences or evict the prefix cache first.
+    pub fn shrink(&mut self, n: usize) -> usize {
+        let _span = tracing::debug_span!("kv_pool_shrink", n, total = self.total).entered();
+        let k = n.min(self.free.len());
+        self.free.truncate(self.free.len() - k);
+        self.free.shrink_to_fit();
+        self.total -= k;
+        k
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accounting_follows_allocate_release_grow_shrink() {
+        // 3 kv heads x 64 = row 192 (smollm2): 2 * 16 * 192 * 4 bytes = 24 KiB per block.
+        let mut pool = BlockPool::new(192, BLOCK_TOKENS, 4);
+        assert_eq!(pool.block_len(), 6144);
+        assert_eq!(pool.block_bytes(), 24_576);
+        assert_eq!(
+            (pool.total_blocks(), pool.free_blocks(), pool.used_blocks()),
+            (4, 4, 0)
+        );
+        assert_eq!(pool.bytes_total(), 4 * 24_576);
+        assert_eq!(pool.bytes_used(), 0);
+
+        let a = pool.allocate().expect("block");
+        let b = pool.allocate().expect("block");
+        assert_ne!(a.id(), b.id());
+        assert_eq!(a.data().len(), 6144);
+        assert_eq!((pool.free_blocks(), pool.used_blocks()), (2, 2));
+        assert_eq!(pool.bytes_used(), 2 * 24_576);
+        assert_eq!(pool.bytes_free(), 2 * 24_576);
+
+        // Only free blocks can be shrunk away.
+        assert_eq!(pool.shrink(5), 2);
+        assert_eq!(
+            (pool.total_blocks(), pool.free_blocks(), pool.used_blocks()),
+            (2, 0, 2)
+        );
+        assert!(pool.allocate().is_none());
+
+        pool.release(a);
+        assert_eq!((pool.free_blocks(), pool.used_blocks()), (1, 1));
+        pool.grow(3);
+        assert_eq!(
+            (pool.total_blocks(), pool.free_blocks(), pool.used_blocks()),
+            (5, 4, 1)
+        );
+        pool.release(b);
+        assert_eq!((pool.total_blocks(), pool.free_blocks()), (5, 5));
+        assert_eq!(pool.bytes_total(), 5 * 24_576);
+    }
+
+    #[test]
+    fn ids_are_never_reused() {
+        let mut pool = BlockPool::new(2, 4, 2);
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            pool.shrink(1);
+            pool.grow(2);
+            while let Some(b) = pool.allocate() {
+                held.push(b);
+            }
+        }
+        let mut seen: Vec<BlockId> = held.iter().map(Block::id).collect();
+        let n = seen.len();
+        seen.sort();
+        seen.dedup();
+        assert_eq!(seen.len(), n);
+        assert_eq!(n, 2 - 1 + 2 + 2 + 2);
+        assert_eq!(pool.used_blocks(), n);
+        for b in held {
+            pool.release(b);
+        }
+        assert_eq!(pool.free_blocks(), n);
+    }
+
+    #[test]
+    fn release_keeps_block_contents_until_overwritten() {
+        let mut pool = BlockPool::new(1, 2, 1);
+        let mut b = pool.allocate().expect("block");
+        b.data_mut().copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
+        let id = b.id();
+        pool.release(b);
+        let b = pool.allocate().expect("block");
+        assert_eq!(b.id(), id);
+        assert_eq!(b.data(), &[1.0, 2.0, 3.0, 4.0]);
+    }
+}

@@ -1,0 +1,45 @@
+//! Criterion benchmark of the quantized products on the zoo's shapes: this crate's kernels
+//! against candle's, for one activation row (decode) and 64 rows (prompt processing).
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use switchyard_kernels::quant::PackedWeight;
+
+/// (type, out features, in features): smollm2 attention/MLP and head, qwen2.5-0.5b MLP.
+const SHAPES: [(GgmlDType, usize, usize); 6] = [
+    (GgmlDType::Q4_1, 576, 576),
+    (GgmlDType::Q4_1, 1536, 576),
+    (GgmlDType::Q8_0, 49152, 576),
+    (GgmlDType::Q5_0, 4864, 896),
+    (GgmlDType::Q4K, 896, 4864),
+    (GgmlDType::Q6K, 896, 4864),
+];
+
+fn bench(c: &mut Criterion) {
+    let dev = Device::Cpu;
+    for (dtype, n, k) in SHAPES {
+        let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+        let q = QTensor::quantize(&w, dtype).unwrap();
+        let packed = PackedWeight::from_qtensor(&q).unwrap().unwrap();
+        let candle = QMatMul::from_qtensor(q).unwrap();
+        for rows in [1usize, 64] {
+            let x = Tensor::randn(0f32, 1.0, (rows, k), &dev).unwrap();
+            let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+            let mut out = vec![0f32; rows * n];
+            let mut g = c.benchmark_group(format!("{dtype:?}_{n}x{k}_rows{rows}"));
+            g.throughput(Throughput::Elements((2 * rows * n * k) as u64));
+            g.sample_size(20);
+            g.bench_function(BenchmarkId::new("switchyard", rows), |b| {
+                b.iter(|| packed.matmul(&xs, rows, &mut out))
+            });
+            g.bench_function(BenchmarkId::new("candle", rows), |b| {
+                b.iter(|| candle.forward(&x).unwrap())
+            });
+            g.finish();
+        }
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -1,0 +1,281 @@
+//! Quantized matrix products: weights repacked into 16-row panels of integer codes, activations
+//! quantized on the fly to 8-bit blocks of 32 (as llama.cpp does), integer dot products per
+//! sub-block, then `acc += dx * (d * isum + m * xsum)` in f32.
+//!
+//! The integer sums are exact and the float updates happen in one fixed order for every output
+//! element, so the scalar reference, the AVX2 and the AVX-512 VNNI kernels give bit-identical
+//! results, whatever the number of activation rows (batch invariance: a row's output never
+//! depends on which other rows share the call).
+
+pub mod pack;
+
+mod avx2;
+mod avx512;
+mod scalar;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use rayon::prelude::*;
+
+use crate::cpu::{simd_level, SimdLevel};
+use pack::{code_bytes, code_position, decode_block, format_of, Format, Recon, Sub};
+
+/// Output rows per panel: one 512-bit vector of i32 lanes.
+pub const PANEL: usize = 16;
+/// Activation quantization block (llama.cpp's Q8_0 block).
+pub const ACT_BLOCK: usize = 32;
+/// Multiply-accumulates below which a product runs on one thread (thread hand-off costs more).
+const PARALLEL_MIN_MACS: usize = 1 << 17;
+
+/// A weight matrix `[n, k]` in panel layout.
+#[derive(Debug, Clone)]
+pub struct PackedWeight {
+    n: usize,
+    k: usize,
+    fmt: Format,
+    /// `[panel][sub-block][code_bytes]`
+    codes: Vec<u8>,
+    /// `[panel][sub-block][PANEL]`
+    d: Vec<f32>,
+    /// `[panel][sub-block][PANEL]`
+    m: Vec<f32>,
+}
+
+impl PackedWeight {
+    /// Repacks a ggml tensor `[n, k]`; `None` when its type has no kernel here.
+    pub fn from_qtensor(t: &QTensor) -> candle_core::Result<Option<Self>> {
+        let Some(fmt) = format_of(t.dtype()) else {
+            return Ok(None);
+        };
+        let (n, k) = t.shape().dims2()?;
+        if !k.is_multiple_of(fmt.block) || !k.is_multiple_of(ACT_BLOCK) {
+            return Ok(None);
+        }
+        let data = t.data()?;
+        Ok(Some(Self::from_blocks(&data, n, k, fmt)?))
+    }
+
+    fn from_blocks(data: &[u8], n: usize, k: usize, fmt: Format) -> candle_core::Result<Self> {
+        let row_bytes = k / fmt.block * fmt.block_bytes;
+        if data.len() != n * row_bytes {
+            candle_core::bail!(
+                "{:?} data of {} bytes does not hold {n} x {k}",
+                fmt.dtype,
+                data.len()
+            );
+        }
+        let panels = n.div_ceil(PANEL);
+        let subs = k / fmt.sub;
+        let cb = code_bytes(&fmt);
+        let mut codes = vec![0u8; panels * subs * cb];
+        let mut d = vec![0f32; panels * subs * PANEL];
+        let mut m = vec![0f32; panels * subs * PANEL];
+        let mut decoded: Vec<Sub> = Vec::with_capacity(subs);
+        for row in 0..n {
+            decoded.clear();
+            let bytes = &data[row * row_bytes..(row + 1) * row_bytes];
+            for blk in bytes.chunks_exact(fmt.block_bytes) {
+                decode_block(&fmt, blk, &mut decoded);
+            }
+            let (p, r) = (row / PANEL, row % PANEL);
+            for (s, sub) in decoded.iter().enumerate() {
+                let base = (p * subs + s) * cb;
+                for t in 0..fmt.sub {
+                    let (at, shift) = code_position(fmt.nibbles, r, t);
+                    codes[base + at] |= sub.q[t] << shift;
+                }
+                d[(p * subs + s) * PANEL + r] = sub.d;
+                m[(p * subs + s) * PANEL + r] = sub.m;
+            }
+        }
+        Ok(Self {
+            n,
+            k,
+            fmt,
+            codes,
+            d,
+            m,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+
+    /// Bytes a `[n, k]` matrix of `dtype` takes once packed; `None` when it would not be.
+    pub fn planned_bytes(dtype: GgmlDType, n: usize, k: usize) -> Option<usize> {
+        let fmt = format_of(dtype)?;
+        if !k.is_multiple_of(fmt.block) || !k.is_multiple_of(ACT_BLOCK) {
+            return None;
+        }
+        let units = n.div_ceil(PANEL) * (k / fmt.sub);
+        Some(units * (code_bytes(&fmt) + 2 * 4 * PANEL))
+    }
+
+    pub fn cols(&self) -> usize {
+        self.k
+    }
+
+    pub fn dtype(&self) -> GgmlDType {
+        self.fmt.dtype
+    }
+
+    /// Bytes held (codes and per-sub-block scales and offsets).
+    pub fn bytes(&self) -> usize {
+        self.codes.len() + 4 * (self.d.len() + self.m.len())
+    }
+
+    fn subs(&self) -> usize {
+        self.k / self.fmt.sub
+    }
+
+    fn code(&self, p: usize, s: usize, r: usize, t: usize) -> u8 {
+        let base = (p * self.subs() + s) * code_bytes(&self.fmt);
+        let (at, shift) = code_position(self.fmt.nibbles, r, t);
+        (self.codes[base + at] >> shift) & if self.fmt.nibbles { 0xF } else { 0xFF }
+    }
+
+    /// Row `row` dequantized exactly as ggml dequantizes it.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        let (p, r) = (row / PANEL, row % PANEL);
+        for s in 0..self.subs() {
+            let d = self.d[(p * self.subs() + s) * PANEL + r];
+            let m = self.m[(p * self.subs() + s) * PANEL + r];
+            for t in 0..self.fmt.sub {
+                let q = self.code(p, s, r, t);
+                out[s * self.fmt.sub + t] = match self.fmt.recon {
+                    Recon::Symmetric { zero } => (q as i32 - zero as i32) as f32 * d,
+                    Recon::Affine => q as f32 * d + m,
+                };
+            }
+        }
+    }
+
+    /// `out[i][j] = sum_k x[i][k] * w[j][k]` for `rows` rows of `x` (`[rows, k]`, row-major).
+    pub fn matmul(&self, x: &[f32], rows: usize, out: &mut [f32]) {
+        self.matmul_at(simd_level(), x, rows, out)
+    }
+
+    /// As [`matmul`](Self::matmul) with an explicit instruction set (tests, benchmarks).
+    pub fn matmul_at(&self, level: SimdLevel, x: &[f32], rows: usize, out: &mut [f32]) {
+        let _span = tracing::trace_span!("qmatmul", n = self.n, k = self.k, rows).entered();
+        assert_eq!(x.len(), rows * self.k, "activation shape");
+        assert_eq!(out.len(), rows * self.n, "output shape");
+        let acts = QActs::quantize(x, rows, self.k, self.fmt.sub);
+        let panels = self.n.div_ceil(PANEL);
+        let out_ptr = OutPtr(out.as_mut_ptr());
+        let run = |p: usize| {
+            let mut tile = [[0f32; PANEL]; MAX_TILE];
+            let mut i0 = 0;
+            while i0 < rows {
+                let i1 = (i0 + MAX_TILE).min(rows);
+                self.panel(level, p, &acts, i0..i1, &mut tile);
+                let cols = PANEL.min(self.n - p * PANEL);
+                for (t, i) in (i0..i1).enumerate() {
+                    // SAFETY: `out` has rows * n elements; panel p writes only columns
+                    // p*PANEL .. p*PANEL+cols of each row, and no two tasks share a panel.
+                    unsafe { out_ptr.write(i * self.n + p * PANEL, &tile[t][..cols]) };
+                }
+                i0 = i1;
+            }
+        };
+        if rows * self.n * self.k < PARALLEL_MIN_MACS {
+            (0..panels).for_each(run);
+        } else {
+            (0..panels).into_par_iter().for_each(run);
+        }
+    }
+
+    fn panel(
+        &self,
+        level: SimdLevel,
+        p: usize,
+        acts: &QActs,
+        rows: std::ops::Range<usize>,
+        tile: &mut [[f32; PANEL]; MAX_TILE],
+    ) {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: simd_level() returns Avx512 only with avx512f, avx512bw and avx512vnni.
+            SimdLevel::Avx512 => unsafe { avx512::panel(self, p, acts, rows, tile) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: simd_level() returns Avx2 only with avx2 and fma.
+            SimdLevel::Avx2 => unsafe { avx2::panel(self, p, acts, rows, tile) },
+            _ => scalar::panel(self, p, acts, rows, tile),
+        }
+    }
+}
+
+/// Activation rows computed together per panel (register blocking).
+pub(crate) const MAX_TILE: usize = 4;
+
+/// Activations quantized to 8-bit blocks of 32: `x ≈ d[block] * q`.
+pub(crate) struct QActs {
+    k: usize,
+    /// `[rows][k]`
+    q: Vec<i8>,
+    /// `[rows][k / ACT_BLOCK]`
+    d: Vec<f32>,
+    /// Sum of `q` per weight sub-block, `[rows][k / sub]`.
+    sum: Vec<i32>,
+    sub: usize,
+}
+
+impl QActs {
+    fn quantize(x: &[f32], rows: usize, k: usize, sub: usize) -> Self {
+        let nb = k / ACT_BLOCK;
+        let mut q = vec![0i8; rows * k];
+        let mut d = vec![0f32; rows * nb];
+        for (b, (xs, qs)) in x
+            .chunks_exact(ACT_BLOCK)
+            .zip(q.chunks_exact_mut(ACT_BLOCK))
+            .enumerate()
+        {
+            // llama.cpp's quantize_row_q8_0: d = amax / 127, q = round(x / d).
+            let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let db = amax / 127.0;
+            let id = if db != 0.0 { 1.0 / db } else { 0.0 };
+            for (qv, xv) in qs.iter_mut().zip(xs) {
+                *qv = (xv * id).round().clamp(-127.0, 127.0) as i8;
+            }
+            d[b] = db;
+        }
+        let sum = q
+            .chunks_exact(sub)
+            .map(|c| c.iter().map(|&v| v as i32).sum())
+            .collect();
+        Self { k, q, d, sum, sub }
+    }
+
+    #[inline(always)]
+    fn row(&self, i: usize) -> &[i8] {
+        &self.q[i * self.k..(i + 1) * self.k]
+    }
+
+    /// Scale of the activation block holding element `e` of row `i`.
+    #[inline(always)]
+    fn scale(&self, i: usize, e: usize) -> f32 {
+        self.d[(i * self.k + e) / ACT_BLOCK]
+    }
+
+    #[inline(always)]
+    fn sub_sum(&self, i: usize, s: usize) -> i32 {
+        self.sum[i * (self.k / self.sub) + s]
+    }
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: only used to write disjoint regions from parallel tasks (see `matmul_at`).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// # Safety
+    /// `at + vals.len()` must lie inside the buffer and no other thread may touch that range.
+    unsafe fn write(&self, at: usize, vals: &[f32]) {
+        std::ptr::copy_nonoverlapping(vals.as_ptr(), self.0.add(at), vals.len());
+    }
+}
+
+#[cfg(test)]
+mod tests;

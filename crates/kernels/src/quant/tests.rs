@@ -1,0 +1,113 @@
+//! Kernels against the scalar reference (bit for bit) and against an f64 product of the
+//! dequantized weights (within the activation-rounding bound), for every type and odd shapes.
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use rand::{Rng, SeedableRng};
+
+use super::*;
+use crate::cpu::available_levels;
+
+const TYPES: [GgmlDType; 6] = [
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q8_0,
+    GgmlDType::Q4K,
+    GgmlDType::Q6K,
+];
+
+fn random(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+fn quantized(dtype: GgmlDType, n: usize, k: usize, seed: u64) -> QTensor {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let w = Tensor::from_vec(random(&mut rng, n * k), (n, k), &Device::Cpu).unwrap();
+    QTensor::quantize(&w, dtype).unwrap()
+}
+
+#[test]
+fn dequantized_rows_equal_ggml() {
+    for dtype in TYPES {
+        let (n, k) = (19, 512);
+        let q = quantized(dtype, n, k, 1);
+        let want: Vec<Vec<f32>> = q.dequantize(&Device::Cpu).unwrap().to_vec2().unwrap();
+        let p = PackedWeight::from_qtensor(&q).unwrap().unwrap();
+        for (r, want) in want.iter().enumerate() {
+            let mut got = vec![0f32; k];
+            p.dequantize_row(r, &mut got);
+            assert_eq!(&got, want, "{dtype:?} row {r}");
+        }
+    }
+}
+
+#[test]
+fn every_level_equals_the_scalar_reference_and_the_bound() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    for dtype in TYPES {
+        let k_options: &[usize] = if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) {
+            &[256, 768]
+        } else {
+            &[32, 96, 576]
+        };
+        for &k in k_options {
+            for (n, rows) in [(1, 1), (17, 3), (513, 5), (40, 9), (16, 1)] {
+                let q = quantized(dtype, n, k, (n * k) as u64);
+                let p = PackedWeight::from_qtensor(&q).unwrap().unwrap();
+                let x = random(&mut rng, rows * k);
+                let mut reference = vec![0f32; rows * n];
+                p.matmul_at(SimdLevel::Scalar, &x, rows, &mut reference);
+                for level in available_levels() {
+                    let mut got = vec![0f32; rows * n];
+                    p.matmul_at(level, &x, rows, &mut got);
+                    assert_eq!(
+                        got, reference,
+                        "{dtype:?} {level:?} n {n} k {k} rows {rows}"
+                    );
+                }
+                // One row alone equals the same row among others (batch invariance).
+                if rows > 1 {
+                    let mut one = vec![0f32; n];
+                    p.matmul(&x[k..2 * k], 1, &mut one);
+                    assert_eq!(&one[..], &reference[n..2 * n], "{dtype:?} single row");
+                }
+                check_bound(&p, &x, rows, &reference, dtype);
+            }
+        }
+    }
+}
+
+/// |ours - exact| <= sum over activation blocks of (d_x / 2) * sum |w| + float slack, where
+/// d_x = amax / 127 is the block's quantization step: rounding moves each activation by at most
+/// half a step.
+fn check_bound(p: &PackedWeight, x: &[f32], rows: usize, got: &[f32], dtype: GgmlDType) {
+    let (n, k) = (p.rows(), p.cols());
+    let mut w = vec![0f32; k];
+    for j in 0..n {
+        p.dequantize_row(j, &mut w);
+        for i in 0..rows {
+            let xi = &x[i * k..(i + 1) * k];
+            let exact: f64 = xi.iter().zip(&w).map(|(&a, &b)| a as f64 * b as f64).sum();
+            let mut bound = 0f64;
+            let mut mag = 0f64;
+            for b in 0..k / ACT_BLOCK {
+                let xb = &xi[b * ACT_BLOCK..(b + 1) * ACT_BLOCK];
+                let step = xb.iter().fold(0f32, |a, v| a.max(v.abs())) as f64 / 127.0;
+                let wb = &w[b * ACT_BLOCK..(b + 1) * ACT_BLOCK];
+                bound += step / 2.0 * wb.iter().map(|v| v.abs() as f64).sum::<f64>();
+                mag += xb
+                    .iter()
+                    .zip(wb)
+                    .map(|(a, b)| (a * b).abs() as f64)
+                    .sum::<f64>();
+            }
+            let slack = 1e-5 * mag + 1e-6;
+            let err = (got[i * n + j] as f64 - exact).abs();
+            assert!(
+                err <= bound * 1.0001 + slack,
+                "{dtype:?} ({i},{j}): err {err} > bound {bound}"
+            );
+        }
+    }
+}
