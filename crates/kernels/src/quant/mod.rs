@@ -14,10 +14,11 @@ mod avx512;
 mod scalar;
 
 use candle_core::quantized::{GgmlDType, QTensor};
+use half::f16;
 use rayon::prelude::*;
 
 use crate::cpu::{simd_level, SimdLevel};
-use pack::{code_bytes, code_position, decode_block, format_of, Format, Recon, Sub};
+use pack::{code_slot, decode_block, format_of, scale_offset, Format, Sub};
 
 /// Output rows per panel: one 512-bit vector of i32 lanes.
 pub const PANEL: usize = 16;
@@ -26,18 +27,24 @@ pub const ACT_BLOCK: usize = 32;
 /// Multiply-accumulates below which a product runs on one thread (thread hand-off costs more).
 const PARALLEL_MIN_MACS: usize = 1 << 17;
 
-/// A weight matrix `[n, k]` in panel layout.
+/// A weight matrix `[n, k]` in panel layout (see [`pack`]).
 #[derive(Debug, Clone)]
 pub struct PackedWeight {
     n: usize,
     k: usize,
     fmt: Format,
-    /// `[panel][sub-block][code_bytes]`
+    /// `[panel][sub][code_bytes]`
     codes: Vec<u8>,
-    /// `[panel][sub-block][PANEL]`
-    d: Vec<f32>,
-    /// `[panel][sub-block][PANEL]`
-    m: Vec<f32>,
+    /// `[panel][sub][group][plane]` u64 masks of the bits above the low nibble.
+    planes: Vec<u64>,
+    /// `[panel][super][PANEL]` f16 scales.
+    scale: Vec<f16>,
+    /// `[panel][super][PANEL]` f16 offsets (Q4_1, Q4_K).
+    offset: Vec<f16>,
+    /// `[panel][sub][PANEL]` sub-block scales (K-quants).
+    sc: Vec<u8>,
+    /// `[panel][sub][PANEL]` sub-block mins (Q4_K).
+    mn: Vec<u8>,
 }
 
 impl PackedWeight {
@@ -65,10 +72,32 @@ impl PackedWeight {
         }
         let panels = n.div_ceil(PANEL);
         let subs = k / fmt.sub;
-        let cb = code_bytes(&fmt);
-        let mut codes = vec![0u8; panels * subs * cb];
-        let mut d = vec![0f32; panels * subs * PANEL];
-        let mut m = vec![0f32; panels * subs * PANEL];
+        let supers = subs / fmt.subs_per_super;
+        let cb = fmt.code_bytes();
+        let per_sub_planes = fmt.groups() * fmt.planes;
+        let mut w = Self {
+            n,
+            k,
+            fmt,
+            codes: vec![0u8; panels * subs * cb],
+            planes: vec![0u64; panels * subs * per_sub_planes],
+            scale: vec![f16::ZERO; panels * supers * PANEL],
+            offset: if fmt.has_offset() {
+                vec![f16::ZERO; panels * supers * PANEL]
+            } else {
+                Vec::new()
+            },
+            sc: if fmt.has_sub_scale() {
+                vec![0u8; panels * subs * PANEL]
+            } else {
+                Vec::new()
+            },
+            mn: if fmt.kind == pack::Kind::Q4K {
+                vec![0u8; panels * subs * PANEL]
+            } else {
+                Vec::new()
+            },
+        };
         let mut decoded: Vec<Sub> = Vec::with_capacity(subs);
         for row in 0..n {
             decoded.clear();
@@ -80,21 +109,31 @@ impl PackedWeight {
             for (s, sub) in decoded.iter().enumerate() {
                 let base = (p * subs + s) * cb;
                 for t in 0..fmt.sub {
-                    let (at, shift) = code_position(fmt.nibbles, r, t);
-                    codes[base + at] |= sub.q[t] << shift;
+                    let slot = code_slot(fmt.wide, r, t);
+                    let q = sub.q[t];
+                    let low = if fmt.wide { q } else { q & 0xF };
+                    w.codes[base + slot.byte] |= low << slot.shift;
+                    for pl in 0..fmt.planes {
+                        if (q >> (4 + pl)) & 1 == 1 {
+                            let at = (p * subs + s) * per_sub_planes + slot.group * fmt.planes + pl;
+                            w.planes[at] |= 1u64 << slot.bit;
+                        }
+                    }
                 }
-                d[(p * subs + s) * PANEL + r] = sub.d;
-                m[(p * subs + s) * PANEL + r] = sub.m;
+                let sup = (p * supers + s / fmt.subs_per_super) * PANEL + r;
+                w.scale[sup] = sub.scale;
+                if fmt.has_offset() {
+                    w.offset[sup] = sub.offset;
+                }
+                if fmt.has_sub_scale() {
+                    w.sc[(p * subs + s) * PANEL + r] = sub.sc;
+                }
+                if fmt.kind == pack::Kind::Q4K {
+                    w.mn[(p * subs + s) * PANEL + r] = sub.mn;
+                }
             }
         }
-        Ok(Self {
-            n,
-            k,
-            fmt,
-            codes,
-            d,
-            m,
-        })
+        Ok(w)
     }
 
     pub fn rows(&self) -> usize {
@@ -107,8 +146,19 @@ impl PackedWeight {
         if !k.is_multiple_of(fmt.block) || !k.is_multiple_of(ACT_BLOCK) {
             return None;
         }
-        let units = n.div_ceil(PANEL) * (k / fmt.sub);
-        Some(units * (code_bytes(&fmt) + 2 * 4 * PANEL))
+        let panels = n.div_ceil(PANEL);
+        let subs = k / fmt.sub;
+        let supers = subs / fmt.subs_per_super;
+        let per_sub = fmt.code_bytes()
+            + fmt.plane_bytes()
+            + if fmt.has_sub_scale() { PANEL } else { 0 }
+            + if fmt.kind == pack::Kind::Q4K {
+                PANEL
+            } else {
+                0
+            };
+        let per_super = 2 * PANEL * if fmt.has_offset() { 2 } else { 1 };
+        Some(panels * (subs * per_sub + supers * per_super))
     }
 
     pub fn cols(&self) -> usize {
@@ -119,32 +169,60 @@ impl PackedWeight {
         self.fmt.dtype
     }
 
-    /// Bytes held (codes and per-sub-block scales and offsets).
+    /// Bytes held (codes, high-bit masks, scales).
     pub fn bytes(&self) -> usize {
-        self.codes.len() + 4 * (self.d.len() + self.m.len())
+        self.codes.len()
+            + 8 * self.planes.len()
+            + 2 * (self.scale.len() + self.offset.len())
+            + self.sc.len()
+            + self.mn.len()
     }
 
     fn subs(&self) -> usize {
         self.k / self.fmt.sub
     }
 
+    /// Full code of (panel `p`, sub-block `s`, row lane `r`, element `t`).
     fn code(&self, p: usize, s: usize, r: usize, t: usize) -> u8 {
-        let base = (p * self.subs() + s) * code_bytes(&self.fmt);
-        let (at, shift) = code_position(self.fmt.nibbles, r, t);
-        (self.codes[base + at] >> shift) & if self.fmt.nibbles { 0xF } else { 0xFF }
+        let slot = code_slot(self.fmt.wide, r, t);
+        let byte = self.codes[(p * self.subs() + s) * self.fmt.code_bytes() + slot.byte];
+        if self.fmt.wide {
+            return byte;
+        }
+        let mut q = (byte >> slot.shift) & 0xF;
+        let per_sub = self.fmt.groups() * self.fmt.planes;
+        for pl in 0..self.fmt.planes {
+            let mask =
+                self.planes[(p * self.subs() + s) * per_sub + slot.group * self.fmt.planes + pl];
+            q |= (((mask >> slot.bit) & 1) as u8) << (4 + pl);
+        }
+        q
+    }
+
+    /// `(d, m)` of row lane `r` in (panel `p`, sub-block `s`): `w = d * q + m`.
+    fn scale_offset(&self, p: usize, s: usize, r: usize) -> (f32, f32) {
+        let supers = self.subs() / self.fmt.subs_per_super;
+        let sup = (p * supers + s / self.fmt.subs_per_super) * PANEL + r;
+        let sub = (p * self.subs() + s) * PANEL + r;
+        scale_offset(
+            self.fmt.kind,
+            self.scale[sup],
+            self.offset.get(sup).copied().unwrap_or(f16::ZERO),
+            self.sc.get(sub).copied().unwrap_or(0),
+            self.mn.get(sub).copied().unwrap_or(0),
+        )
     }
 
     /// Row `row` dequantized exactly as ggml dequantizes it.
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         let (p, r) = (row / PANEL, row % PANEL);
         for s in 0..self.subs() {
-            let d = self.d[(p * self.subs() + s) * PANEL + r];
-            let m = self.m[(p * self.subs() + s) * PANEL + r];
+            let (d, m) = self.scale_offset(p, s, r);
             for t in 0..self.fmt.sub {
                 let q = self.code(p, s, r, t);
-                out[s * self.fmt.sub + t] = match self.fmt.recon {
-                    Recon::Symmetric { zero } => (q as i32 - zero as i32) as f32 * d,
-                    Recon::Affine => q as f32 * d + m,
+                out[s * self.fmt.sub + t] = match self.fmt.zero() {
+                    Some(zero) => (q as i32 - zero) as f32 * d,
+                    None => q as f32 * d + m,
                 };
             }
         }

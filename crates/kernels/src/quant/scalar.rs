@@ -10,17 +10,17 @@ pub(super) fn panel(
     tile: &mut [[f32; PANEL]; MAX_TILE],
 ) {
     let sub = w.fmt.sub;
-    let subs = w.subs();
     let mut codes = [[0u8; 32]; PANEL];
     let mut acc = [[0f32; PANEL]; MAX_TILE];
-    for s in 0..subs {
+    for s in 0..w.subs() {
+        let mut d = [0f32; PANEL];
+        let mut m = [0f32; PANEL];
         for (r, row) in codes.iter_mut().enumerate() {
             for (t, c) in row.iter_mut().take(sub).enumerate() {
                 *c = w.code(p, s, r, t);
             }
+            (d[r], m[r]) = w.scale_offset(p, s, r);
         }
-        let d = &w.d[(p * subs + s) * PANEL..][..PANEL];
-        let m = &w.m[(p * subs + s) * PANEL..][..PANEL];
         for (t, i) in rows.clone().enumerate() {
             let x = &acts.row(i)[s * sub..(s + 1) * sub];
             let dx = acts.scale(i, s * sub);

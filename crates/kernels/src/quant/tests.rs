@@ -111,3 +111,20 @@ fn check_bound(p: &PackedWeight, x: &[f32], rows: usize, got: &[f32], dtype: Ggm
         }
     }
 }
+
+/// Packed matrices are as large as the file's tensors (Q4_K: 2 bytes more per 256 weights for
+/// its sub-block scales stored unpacked), and `planned_bytes` predicts them exactly.
+#[test]
+fn packed_size_matches_ggml() {
+    for dtype in TYPES {
+        let (n, k) = (48, 512);
+        let q = quantized(dtype, n, k, 3);
+        let p = PackedWeight::from_qtensor(&q).unwrap().unwrap();
+        assert_eq!(Some(p.bytes()), PackedWeight::planned_bytes(dtype, n, k));
+        let ggml = q.storage_size_in_bytes();
+        match dtype {
+            GgmlDType::Q4K => assert_eq!(p.bytes(), ggml + n * (k / 256) * 4),
+            _ => assert_eq!(p.bytes(), ggml, "{dtype:?}"),
+        }
+    }
+}
