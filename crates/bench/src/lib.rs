@@ -5,6 +5,7 @@
 //! never reach into private state to make a number look better.
 
 pub mod engine;
+pub mod kernels;
 pub mod stats;
 
 #[derive(Debug, thiserror::Error)]

@@ -12,6 +12,9 @@ use crate::output::write_json;
 pub enum BenchCommand {
     /// Prompt and decode tokens/s at batch 1 (median of several runs).
     Engine(EngineArgs),
+    /// GFLOP/s and GB/s of the quantized kernels (scalar reference, candle, ours) on every
+    /// tensor type and shape of the zoo's models.
+    Kernels(KernelsArgs),
 }
 
 #[derive(Args)]
@@ -35,6 +38,7 @@ pub struct EngineArgs {
 pub fn run(cmd: BenchCommand, threads: usize) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Engine(a) => engine(a, threads),
+        BenchCommand::Kernels(a) => kernels(a, threads),
     }
 }
 
@@ -68,4 +72,68 @@ fn engine(a: EngineArgs, threads: usize) -> anyhow::Result<()> {
         r.model, r.threads, r.depth, r.n_layers, r.prompt_tokens, r.prompt_tokens_per_s, r.decode_tokens, r.decode_tokens_per_s, r.runs
     );
     write_json(&a.json, &r)
+}
+
+#[derive(Args)]
+pub struct KernelsArgs {
+    /// Models whose tensor shapes to measure (zoo names or GGUF paths).
+    #[arg(long, value_delimiter = ',', default_values_t = ["smollm2-135m-instruct".to_string(), "gemma3-270m".to_string(), "qwen2.5-coder-0.5b-instruct".to_string(), "qwen2.5-coder-1.5b-instruct".to_string()])]
+    models: Vec<String>,
+    /// Activation rows per product.
+    #[arg(long, value_delimiter = ',', default_values_t = switchyard_bench::kernels::DEFAULT_ROWS)]
+    rows: Vec<usize>,
+    /// Write the result as JSON to FILE (stdout when omitted).
+    #[arg(long, value_name = "FILE", num_args = 0..=1)]
+    json: Option<Option<std::path::PathBuf>>,
+}
+
+fn kernels(a: KernelsArgs, threads: usize) -> anyhow::Result<()> {
+    use switchyard_bench::kernels::{bench_case, level_name, model_shapes, KernelReport};
+    let models = a
+        .models
+        .iter()
+        .map(|m| Ok((m.clone(), switchyard_zoo::resolve_model(m)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let shapes = model_shapes(&models)?;
+    let bar = ProgressBar::new((shapes.len() * a.rows.len()) as u64).with_style(
+        ProgressStyle::with_template("kernels {bar:30} {pos}/{len} cases ({elapsed})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut cases = Vec::new();
+    for s in &shapes {
+        let path = models
+            .iter()
+            .find(|(m, _)| *m == s.model)
+            .map(|(_, p)| p.clone())
+            .ok_or_else(|| anyhow::anyhow!("no file for {}", s.model))?;
+        for &rows in &a.rows {
+            cases.push(bench_case(&path, s, rows)?);
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    eprintln!(
+        "{:<6} {:>7} {:>6} {:>5} | {:>8} {:>8} {:>8} GFLOP/s | {:>6} GB/s | x candle",
+        "type", "out", "in", "rows", "scalar", "candle", "ours", "ours"
+    );
+    for c in &cases {
+        eprintln!(
+            "{:<6} {:>7} {:>6} {:>5} | {:>8.1} {:>8.1} {:>8.1}         | {:>6.1}      | {:>5.2}",
+            c.shape.dtype,
+            c.shape.out_features,
+            c.shape.in_features,
+            c.rows,
+            c.scalar_reference.gflops,
+            c.candle.gflops,
+            c.switchyard.gflops,
+            c.switchyard.weight_gb_per_s,
+            c.speedup_vs_candle
+        );
+    }
+    let report = KernelReport {
+        simd_level: level_name().to_string(),
+        threads,
+        cases,
+    };
+    write_json(&a.json, &report)
 }

@@ -12,6 +12,21 @@ pub enum ModelsCommand {
     Pull(PullArgs),
     /// Show every known model and dataset, its size and whether it is present.
     List(ListArgs),
+    /// Write a copy of a GGUF model with its weight matrices re-quantized to another type.
+    Requantize(RequantizeArgs),
+}
+
+#[derive(Args)]
+pub struct RequantizeArgs {
+    /// Model name or GGUF path.
+    #[arg(long)]
+    model: String,
+    /// Target type: q4_0, q4_1, q5_0, q8_0, q4_k, q6_k, f16 or f32.
+    #[arg(long)]
+    to: String,
+    /// Output GGUF file.
+    #[arg(long)]
+    out: std::path::PathBuf,
 }
 
 #[derive(Args)]
@@ -37,7 +52,38 @@ pub fn run(cmd: ModelsCommand) -> anyhow::Result<()> {
     match cmd {
         ModelsCommand::Pull(a) => pull(a),
         ModelsCommand::List(a) => list(a),
+        ModelsCommand::Requantize(a) => requantize(a),
     }
+}
+
+fn requantize(a: RequantizeArgs) -> anyhow::Result<()> {
+    use candle_core::quantized::GgmlDType;
+    let target = match a.to.to_ascii_lowercase().as_str() {
+        "q4_0" => GgmlDType::Q4_0,
+        "q4_1" => GgmlDType::Q4_1,
+        "q5_0" => GgmlDType::Q5_0,
+        "q8_0" => GgmlDType::Q8_0,
+        "q4_k" => GgmlDType::Q4K,
+        "q6_k" => GgmlDType::Q6K,
+        "f16" => GgmlDType::F16,
+        "f32" => GgmlDType::F32,
+        other => anyhow::bail!(
+            "unknown type {other:?}; one of q4_0, q4_1, q5_0, q8_0, q4_k, q6_k, f16, f32"
+        ),
+    };
+    let path = switchyard_zoo::resolve_model(&a.model)?;
+    let src = switchyard_weights::GgufFile::open(&path)?;
+    let bar = indicatif::ProgressBar::new(src.tensors().len() as u64).with_style(
+        indicatif::ProgressStyle::with_template("requantize {bar:40} {pos}/{len} tensors")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    switchyard_weights::requantize::requantize(&src, &a.out, target, |done, _| {
+        bar.set_position(done as u64)
+    })?;
+    bar.finish_and_clear();
+    let size = std::fs::metadata(&a.out).map(|m| m.len()).unwrap_or(0);
+    eprintln!("wrote {} ({:.1} MB, {target:?})", a.out.display(), size as f64 / 1e6);
+    Ok(())
 }
 
 fn pull(a: PullArgs) -> anyhow::Result<()> {

@@ -7,6 +7,7 @@
 pub mod gguf;
 pub mod metadata;
 pub mod names;
+pub mod requantize;
 pub mod safetensors_dir;
 pub mod spec;
 pub mod synthetic;
