@@ -284,7 +284,7 @@ impl PackedWeight {
 }
 
 /// Activation rows computed together per panel (register blocking).
-pub(crate) const MAX_TILE: usize = 4;
+pub(crate) const MAX_TILE: usize = 8;
 
 /// Activations quantized to 8-bit blocks of 32: `x ≈ d[block] * q`.
 pub(crate) struct QActs {
