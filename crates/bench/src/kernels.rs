@@ -45,6 +45,8 @@ pub struct KernelCase {
     pub rows: usize,
     pub scalar_reference: Measure,
     pub candle: Measure,
+    /// Dequantize the whole matrix to f32, then candle's f32 GEMM (the alternative prompt path).
+    pub dequantize_then_gemm: Measure,
     pub switchyard: Measure,
     /// switchyard GFLOP/s over candle's.
     pub speedup_vs_candle: f64,
@@ -100,6 +102,9 @@ pub fn bench_case(path: &std::path::Path, shape: &Shape, rows: usize) -> Result<
     let packed = PackedWeight::from_qtensor(&q)
         .map_err(err)?
         .ok_or_else(|| BenchError::Invalid(format!("{} has no kernel", shape.dtype)))?;
+    let dense_src = f
+        .load(&shape.tensor, &Device::Cpu)
+        .map_err(|e| BenchError::Invalid(e.to_string()))?;
     let candle = QMatMul::from_qtensor(q).map_err(err)?;
     let x = Tensor::randn(0f32, 1.0, (rows, k), &Device::Cpu).map_err(err)?;
     let xs: Vec<f32> = x.flatten_all().and_then(|t| t.to_vec1()).map_err(err)?;
@@ -115,11 +120,17 @@ pub fn bench_case(path: &std::path::Path, shape: &Shape, rows: usize) -> Result<
     let theirs = time(|| {
         let _ = candle.forward(&x);
     });
+    let dense = time(|| {
+        let _ = dense_src
+            .dequantize(&Device::Cpu)
+            .and_then(|w| x.matmul(&w.t()?));
+    });
     Ok(KernelCase {
         shape: shape.clone(),
         rows,
         scalar_reference: measure(scalar),
         candle: measure(theirs),
+        dequantize_then_gemm: measure(dense),
         switchyard: measure(ours),
         speedup_vs_candle: theirs / ours,
     })

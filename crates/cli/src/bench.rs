@@ -15,6 +15,9 @@ pub enum BenchCommand {
     /// GFLOP/s and GB/s of the quantized kernels (scalar reference, candle, ours) on every
     /// tensor type and shape of the zoo's models.
     Kernels(KernelsArgs),
+    /// ShareGPT prompts through the serving engine: throughput and latency with continuous
+    /// batching vs batch 1, largest batch, memory by category.
+    Offline(crate::offline::OfflineArgs),
 }
 
 #[derive(Args)]
@@ -39,6 +42,7 @@ pub fn run(cmd: BenchCommand, threads: usize) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Engine(a) => engine(a, threads),
         BenchCommand::Kernels(a) => kernels(a, threads),
+        BenchCommand::Offline(a) => crate::offline::run(a, threads),
     }
 }
 
@@ -113,18 +117,19 @@ fn kernels(a: KernelsArgs, threads: usize) -> anyhow::Result<()> {
     }
     bar.finish_and_clear();
     eprintln!(
-        "{:<6} {:>7} {:>6} {:>5} | {:>8} {:>8} {:>8} GFLOP/s | {:>6} GB/s | x candle",
-        "type", "out", "in", "rows", "scalar", "candle", "ours", "ours"
+        "{:<6} {:>7} {:>6} {:>5} | {:>8} {:>8} {:>8} {:>8} GFLOP/s | {:>6} GB/s | x candle",
+        "type", "out", "in", "rows", "scalar", "candle", "deq+gemm", "ours", "ours"
     );
     for c in &cases {
         eprintln!(
-            "{:<6} {:>7} {:>6} {:>5} | {:>8.1} {:>8.1} {:>8.1}         | {:>6.1}      | {:>5.2}",
+            "{:<6} {:>7} {:>6} {:>5} | {:>8.1} {:>8.1} {:>8.1} {:>8.1}         | {:>6.1}      | {:>5.2}",
             c.shape.dtype,
             c.shape.out_features,
             c.shape.in_features,
             c.rows,
             c.scalar_reference.gflops,
             c.candle.gflops,
+            c.dequantize_then_gemm.gflops,
             c.switchyard.gflops,
             c.switchyard.weight_gb_per_s,
             c.speedup_vs_candle

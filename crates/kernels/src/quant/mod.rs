@@ -283,6 +283,31 @@ impl PackedWeight {
     }
 }
 
+/// Activation values above which quantizing them is split across threads.
+const PARALLEL_MIN_QUANT: usize = 1 << 15;
+
+/// llama.cpp's quantize_row_q8_0 for one row: per block of 32, `d = amax / 127` and
+/// `q = round(x / d)` with ties to even, as llama.cpp's SIMD paths round.
+fn quantize_row(x: &[f32], q: &mut [i8], d: &mut [f32]) {
+    // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer, ties to even, for
+    // |v| < 2^22 (|v| <= 127 here) in the default rounding mode, without a libm call.
+    const ROUND: f32 = 12_582_912.0;
+    for ((xs, qs), db) in x
+        .chunks_exact(ACT_BLOCK)
+        .zip(q.chunks_exact_mut(ACT_BLOCK))
+        .zip(d.iter_mut())
+    {
+        let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let dv = amax / 127.0;
+        let id = if dv != 0.0 { 1.0 / dv } else { 0.0 };
+        for (qv, xv) in qs.iter_mut().zip(xs) {
+            let r = (xv * id + ROUND) - ROUND;
+            *qv = r.clamp(-127.0, 127.0) as i8;
+        }
+        *db = dv;
+    }
+}
+
 /// Activation rows computed together per panel (register blocking).
 pub(crate) const MAX_TILE: usize = 8;
 
@@ -303,24 +328,22 @@ impl QActs {
         let nb = k / ACT_BLOCK;
         let mut q = vec![0i8; rows * k];
         let mut d = vec![0f32; rows * nb];
-        for (b, (xs, qs)) in x
-            .chunks_exact(ACT_BLOCK)
-            .zip(q.chunks_exact_mut(ACT_BLOCK))
-            .enumerate()
-        {
-            // llama.cpp's quantize_row_q8_0: d = amax / 127, q = round(x / d).
-            let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let db = amax / 127.0;
-            let id = if db != 0.0 { 1.0 / db } else { 0.0 };
-            for (qv, xv) in qs.iter_mut().zip(xs) {
-                *qv = (xv * id).round().clamp(-127.0, 127.0) as i8;
+        let mut sum = vec![0i32; rows * (k / sub)];
+        let one_row = |((xr, qr), (dr, sr)): ((&[f32], &mut [i8]), (&mut [f32], &mut [i32]))| {
+            quantize_row(xr, qr, dr);
+            for (s, c) in sr.iter_mut().zip(qr.chunks_exact(sub)) {
+                *s = c.iter().map(|&v| v as i32).sum();
             }
-            d[b] = db;
+        };
+        let parts = x
+            .chunks_exact(k)
+            .zip(q.chunks_exact_mut(k))
+            .zip(d.chunks_exact_mut(nb).zip(sum.chunks_exact_mut(k / sub)));
+        if rows * k >= PARALLEL_MIN_QUANT {
+            parts.par_bridge().for_each(one_row);
+        } else {
+            parts.for_each(one_row);
         }
-        let sum = q
-            .chunks_exact(sub)
-            .map(|c| c.iter().map(|&v| v as i32).sum())
-            .collect();
         Self { k, q, d, sum, sub }
     }
 
