@@ -283,6 +283,9 @@ impl PackedWeight {
     }
 }
 
+/// One row's input, codes, block scales and sub-block sums.
+type RowParts<'a> = ((&'a [f32], &'a mut [i8]), (&'a mut [f32], &'a mut [i32]));
+
 /// Activation values above which quantizing them is split across threads.
 const PARALLEL_MIN_QUANT: usize = 1 << 15;
 
@@ -329,7 +332,7 @@ impl QActs {
         let mut q = vec![0i8; rows * k];
         let mut d = vec![0f32; rows * nb];
         let mut sum = vec![0i32; rows * (k / sub)];
-        let one_row = |((xr, qr), (dr, sr)): ((&[f32], &mut [i8]), (&mut [f32], &mut [i32]))| {
+        let one_row = |((xr, qr), (dr, sr)): RowParts<'_>| {
             quantize_row(xr, qr, dr);
             for (s, c) in sr.iter_mut().zip(qr.chunks_exact(sub)) {
                 *s = c.iter().map(|&v| v as i32).sum();
