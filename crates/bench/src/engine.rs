@@ -54,6 +54,12 @@ pub struct EngineBenchReport {
     pub prompt_tokens_per_s_runs: Vec<f64>,
     pub decode_tokens_per_s_runs: Vec<f64>,
     pub resident_weight_bytes: usize,
+    /// Final norm + LM head for one token (median of repeated calls).
+    pub lm_head_ms: f64,
+    /// The head's share of one decode step at this depth.
+    pub lm_head_share_of_decode_step: f64,
+    /// Which kernels served the quantized weights (`switchyard` or `candle`).
+    pub kernels: String,
 }
 
 /// Runs the benchmark; `on_run(i, runs)` is called after each run (progress).
@@ -87,7 +93,16 @@ pub fn bench_engine(
         }
         on_run(i + 1, opts.runs);
     }
+    let head_s = time_head(model)?;
+    let decode_tps = median(&tg);
     Ok(EngineBenchReport {
+        lm_head_ms: head_s * 1e3,
+        lm_head_share_of_decode_step: head_s * decode_tps,
+        kernels: if std::env::var(switchyard_kernels::KERNELS_ENV).is_ok_and(|v| v == "candle") {
+            "candle".into()
+        } else {
+            "switchyard".into()
+        },
         model: name.to_string(),
         architecture: model.spec().architecture.as_str().to_string(),
         n_layers: model.n_layers(),
@@ -102,6 +117,19 @@ pub fn bench_engine(
         decode_tokens_per_s_runs: tg,
         resident_weight_bytes: model.resident_bytes().total(),
     })
+}
+
+/// Median seconds of the final norm and LM head on one hidden state.
+fn time_head(model: &LayeredModel) -> Result<f64> {
+    let err = |e: switchyard_models::ModelError| BenchError::Engine(e.into());
+    let hidden = model.embed(&[1]).map_err(err)?;
+    let mut runs = Vec::new();
+    for _ in 0..21 {
+        let t = Instant::now();
+        model.logits(&hidden).map_err(err)?;
+        runs.push(t.elapsed().as_secs_f64());
+    }
+    Ok(median(&runs))
 }
 
 /// The first `n` tokens of the benchmark text (repeated if it is shorter).

@@ -6,6 +6,9 @@
 
 pub mod engine;
 pub mod kernels;
+pub mod offline;
+pub mod serve;
+pub mod sharegpt;
 pub mod stats;
 
 #[derive(Debug, thiserror::Error)]
@@ -16,6 +19,8 @@ pub enum BenchError {
     Tokenizer(#[from] switchyard_tokenizer::TokenizerError),
     #[error(transparent)]
     Zoo(#[from] switchyard_zoo::ZooError),
+    #[error(transparent)]
+    Model(#[from] switchyard_models::ModelError),
     #[error("cannot read {path}: {source}")]
     Io {
         path: std::path::PathBuf,

@@ -15,9 +15,15 @@ pub enum BenchCommand {
     /// GFLOP/s and GB/s of the quantized kernels (scalar reference, candle, ours) on every
     /// tensor type and shape of the zoo's models.
     Kernels(KernelsArgs),
+    /// The EE-LLM baseline (per-token early exit) vs full depth: tokens/s, exit depths, bits
+    /// per byte.
+    Exits(crate::exits::BenchExitsArgs),
     /// ShareGPT prompts through the serving engine: throughput and latency with continuous
     /// batching vs batch 1, largest batch, memory by category.
     Offline(crate::offline::OfflineArgs),
+    /// Any OpenAI-compatible server under vLLM's serving benchmark: TTFT, TPOT, ITL, E2E,
+    /// throughput and goodput at a request rate.
+    Serve(crate::bench_serve::ServeArgs),
 }
 
 #[derive(Args)]
@@ -42,7 +48,9 @@ pub fn run(cmd: BenchCommand, threads: usize) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Engine(a) => engine(a, threads),
         BenchCommand::Kernels(a) => kernels(a, threads),
+        BenchCommand::Exits(a) => crate::exits::run_bench_exits(a, threads),
         BenchCommand::Offline(a) => crate::offline::run(a, threads),
+        BenchCommand::Serve(a) => crate::bench_serve::run(a),
     }
 }
 
@@ -72,8 +80,8 @@ fn engine(a: EngineArgs, threads: usize) -> anyhow::Result<()> {
     )?;
     bar.finish_and_clear();
     eprintln!(
-        "{} ({} threads, depth {}/{}): prompt {} tokens: {:.1} tokens/s | decode {} tokens: {:.1} tokens/s (median of {})",
-        r.model, r.threads, r.depth, r.n_layers, r.prompt_tokens, r.prompt_tokens_per_s, r.decode_tokens, r.decode_tokens_per_s, r.runs
+        "{} ({} threads, depth {}/{}, {} kernels): prompt {} tokens: {:.1} tokens/s | decode {} tokens: {:.1} tokens/s (median of {}) | LM head {:.2} ms = {:.0}% of a decode step",
+        r.model, r.threads, r.depth, r.n_layers, r.kernels, r.prompt_tokens, r.prompt_tokens_per_s, r.decode_tokens, r.decode_tokens_per_s, r.runs, r.lm_head_ms, 100.0 * r.lm_head_share_of_decode_step
     );
     write_json(&a.json, &r)
 }

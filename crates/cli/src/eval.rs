@@ -13,6 +13,8 @@ use crate::output::write_json;
 pub enum EvalCommand {
     /// Perplexity and bits per UTF-8 byte of a whole text file.
     Ppl(PplArgs),
+    /// The exit study: agreement, confidence and exit depth at each exit layer.
+    Exits(crate::exits::EvalExitsArgs),
 }
 
 #[derive(Args)]
@@ -51,6 +53,7 @@ struct PplReport {
 pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
     match cmd {
         EvalCommand::Ppl(a) => ppl(a),
+        EvalCommand::Exits(a) => crate::exits::run_eval_exits(a),
     }
 }
 

@@ -42,6 +42,8 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-generation tokens.
     #[arg(long)]
     ignore_eos: bool,
+    #[command(flatten)]
+    early_exit: crate::exits::EarlyExitArgs,
 }
 
 pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
@@ -74,6 +76,9 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
     } else {
         tok.encode(&a.prompt, true, false)?
     };
+    if a.early_exit.enabled() {
+        return crate::exits::generate(&a.model, &loaded, &prompt, &params, &a.early_exit);
+    }
     let mut stdout = std::io::stdout().lock();
     let g = switchyard_engine::generate(&loaded.model, tok, &prompt, &params, |t| {
         // A closed pipe (e.g. `| head`) ends output, not the process.

@@ -4,11 +4,15 @@
 //! FILE (stdout when omitted); generated text goes to stdout.
 
 mod bench;
+mod bench_serve;
 mod eval;
+mod exits;
 mod generate;
 mod load;
 mod models;
+mod offline;
 mod output;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -42,6 +46,10 @@ enum Command {
     /// Measure speed.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Serve models over the OpenAI API (HTTP).
+    Serve(serve::ServeArgs),
+    /// Fit exit heads (tuned lens) for a model by ridge regression over a corpus.
+    Calibrate(exits::CalibrateArgs),
 }
 
 fn main() {
@@ -53,6 +61,8 @@ fn main() {
         Command::Generate(a) => generate::run(a),
         Command::Eval(c) => eval::run(c),
         Command::Bench(c) => bench::run(c, threads),
+        Command::Serve(a) => serve::run(a),
+        Command::Calibrate(a) => exits::run_calibrate(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -82,7 +82,11 @@ fn requantize(a: RequantizeArgs) -> anyhow::Result<()> {
     })?;
     bar.finish_and_clear();
     let size = std::fs::metadata(&a.out).map(|m| m.len()).unwrap_or(0);
-    eprintln!("wrote {} ({:.1} MB, {target:?})", a.out.display(), size as f64 / 1e6);
+    eprintln!(
+        "wrote {} ({:.1} MB, {target:?})",
+        a.out.display(),
+        size as f64 / 1e6
+    );
     Ok(())
 }
 

@@ -18,6 +18,15 @@ use quant::PackedWeight;
 
 pub type Result<T> = candle_core::Result<T>;
 
+/// `SWITCHYARD_KERNELS=candle` keeps every quantized weight on candle's kernels (for
+/// side-by-side comparisons); anything else uses this crate's kernels where they apply.
+pub const KERNELS_ENV: &str = "SWITCHYARD_KERNELS";
+
+fn candle_only() -> bool {
+    static CANDLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CANDLE.get_or_init(|| std::env::var(KERNELS_ENV).is_ok_and(|v| v == "candle"))
+}
+
 #[derive(Debug, Clone)]
 enum Kernel {
     Packed(Arc<PackedWeight>),
@@ -43,8 +52,13 @@ impl QLinear {
         let (out_features, in_features) = weight.shape().dims2()?;
         let dtype = weight.dtype();
         let on_cpu = weight.device().is_cpu();
-        let kernel = match (on_cpu, PackedWeight::from_qtensor(&weight)?) {
-            (true, Some(p)) => Kernel::Packed(Arc::new(p)),
+        let packed = if on_cpu && !candle_only() {
+            PackedWeight::from_qtensor(&weight)?
+        } else {
+            None
+        };
+        let kernel = match packed {
+            Some(p) => Kernel::Packed(Arc::new(p)),
             // Built directly rather than with `QMatMul::from_arc`, which consults the
             // process-wide CANDLE_DEQUANTIZE_ALL variables: the kernel choice belongs here.
             _ => Kernel::Candle(match dtype {

@@ -21,6 +21,11 @@ pub struct LayerCtx<'b, 'a> {
 /// One transformer layer: hidden `[tokens, d_model]` in, same shape out.
 pub trait Block: Send + Sync + std::fmt::Debug {
     fn forward(&self, x: &Tensor, ctx: &mut LayerCtx<'_, '_>) -> Result<Tensor>;
+    /// Writes only this layer's K/V for the batch's positions, computed from `x` exactly as
+    /// [`Block::forward`] would (attention norm, k/v projections, k norm, rope), with no
+    /// attention and no MLP. Used by CALM-style state propagation: a token that exited early
+    /// has its exited hidden state projected into the K/V of each layer it skipped.
+    fn write_kv(&self, x: &Tensor, ctx: &mut LayerCtx<'_, '_>) -> Result<()>;
     /// Bytes of weights this block keeps resident.
     fn resident_bytes(&self) -> usize;
 }
@@ -155,22 +160,11 @@ impl SelfAttention {
         let hd = shape.head_dim;
         let tokens = x.dim(0)?;
         let q = self.project(&self.q, self.q_norm.as_ref(), x, shape.n_heads, hd)?;
-        let k = self.project(&self.k, self.k_norm.as_ref(), x, shape.n_kv_heads, hd)?;
-        let v = self.v.forward(x)?;
         let mut q = q.flatten_all()?.to_vec1::<f32>()?;
-        let mut k = k.flatten_all()?.to_vec1::<f32>()?;
-        let v = v.flatten_all()?.to_vec1::<f32>()?;
         ctx.rope.apply(&mut q, shape.n_heads, self.rope_style);
-        ctx.rope.apply(&mut k, shape.n_kv_heads, self.rope_style);
+        self.write_kv(x, ctx)?;
 
         let q_row = shape.n_heads * hd;
-        let kv_row = shape.n_kv_heads * hd;
-        let mut at = 0;
-        for seq in ctx.batch.seqs.iter_mut() {
-            let (a, b) = (at * kv_row, (at + seq.n) * kv_row);
-            seq.kv.write(ctx.layer, seq.start, &k[a..b], &v[a..b])?;
-            at += seq.n;
-        }
         let mut views = Vec::with_capacity(ctx.batch.seqs.len());
         let mut at = 0;
         for seq in ctx.batch.seqs.iter() {
@@ -185,6 +179,27 @@ impl SelfAttention {
         let out = attend(&views, &shape)?;
         let out = Tensor::from_vec(out, (tokens, q_row), x.device())?;
         Ok(self.o.forward(&out)?)
+    }
+
+    /// `x` is the normed hidden state `[tokens, d_model]`; writes this layer's K/V (k norm and
+    /// rope applied) for the new positions into each sequence's cache. The K/V half of
+    /// [`SelfAttention::forward`], callable alone.
+    pub fn write_kv(&self, x: &Tensor, ctx: &mut LayerCtx<'_, '_>) -> Result<()> {
+        let shape = ctx.shape;
+        let hd = shape.head_dim;
+        let k = self.project(&self.k, self.k_norm.as_ref(), x, shape.n_kv_heads, hd)?;
+        let v = self.v.forward(x)?;
+        let mut k = k.flatten_all()?.to_vec1::<f32>()?;
+        let v = v.flatten_all()?.to_vec1::<f32>()?;
+        ctx.rope.apply(&mut k, shape.n_kv_heads, self.rope_style);
+        let kv_row = shape.n_kv_heads * hd;
+        let mut at = 0;
+        for seq in ctx.batch.seqs.iter_mut() {
+            let (a, b) = (at * kv_row, (at + seq.n) * kv_row);
+            seq.kv.write(ctx.layer, seq.start, &k[a..b], &v[a..b])?;
+            at += seq.n;
+        }
+        Ok(())
     }
 
     fn project(

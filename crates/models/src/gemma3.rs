@@ -64,6 +64,10 @@ impl Block for Gemma3Block {
         Ok((x + self.post_ffn_norm.forward(&h)?)?)
     }
 
+    fn write_kv(&self, x: &Tensor, ctx: &mut LayerCtx<'_, '_>) -> Result<()> {
+        self.attn.write_kv(&self.attn_norm.forward(x)?, ctx)
+    }
+
     fn resident_bytes(&self) -> usize {
         self.attn_norm.bytes()
             + self.attn.bytes()

@@ -46,6 +46,10 @@ impl Block for LlamaBlock {
         Ok((x + h)?)
     }
 
+    fn write_kv(&self, x: &Tensor, ctx: &mut LayerCtx<'_, '_>) -> Result<()> {
+        self.attn.write_kv(&self.attn_norm.forward(x)?, ctx)
+    }
+
     fn resident_bytes(&self) -> usize {
         self.attn_norm.bytes() + self.attn.bytes() + self.ffn_norm.bytes() + self.mlp.bytes()
     }

@@ -49,6 +49,15 @@ impl<'a> ForwardBatch<'a> {
     }
 }
 
+/// What [`LayeredModel::run_layers`] does at each layer.
+#[derive(Debug, Clone, Copy)]
+enum LayerPass {
+    /// The whole block; its output feeds the next layer.
+    Full,
+    /// Only the block's K/V write, from the same input at every layer.
+    KvOnly,
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
     /// Load only the first `n` layers (all when `None`).
@@ -282,9 +291,35 @@ impl LayeredModel {
     /// layer's K/V for the batch's positions.
     pub fn forward_layers(
         &self,
+        x: Tensor,
+        layers: Range<usize>,
+        batch: &mut ForwardBatch<'_>,
+    ) -> Result<Tensor> {
+        self.run_layers(x, layers, batch, LayerPass::Full)
+    }
+
+    /// Writes only the K/V of `layers` for the batch's positions, every layer computing them
+    /// from the same `x` (no attention, no MLP; `x` is not advanced from layer to layer).
+    ///
+    /// This is CALM's state propagation (Schuster et al. 2022): when a token exits early at
+    /// depth `d`, its hidden state there stands in for the inputs of layers `d..` it skipped,
+    /// so later tokens that go deeper find K/V at its position.
+    pub fn write_kv_layers(
+        &self,
+        x: &Tensor,
+        layers: Range<usize>,
+        batch: &mut ForwardBatch<'_>,
+    ) -> Result<()> {
+        self.run_layers(x.clone(), layers, batch, LayerPass::KvOnly)
+            .map(|_| ())
+    }
+
+    fn run_layers(
+        &self,
         mut x: Tensor,
         layers: Range<usize>,
         batch: &mut ForwardBatch<'_>,
+        pass: LayerPass,
     ) -> Result<Tensor> {
         check_rows(&x, batch)?;
         let context = self.spec().context_length;
@@ -319,7 +354,10 @@ impl LayeredModel {
                 rope,
                 shape: self.cfg.attn_shape(l),
             };
-            x = block.forward(&x, &mut ctx)?;
+            match pass {
+                LayerPass::Full => x = block.forward(&x, &mut ctx)?,
+                LayerPass::KvOnly => block.write_kv(&x, &mut ctx)?,
+            }
         }
         Ok(x)
     }

@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
-use switchyard_models::{DenseKv, ForwardBatch, LayeredModel, LoadOptions};
+use switchyard_models::{DenseKv, ForwardBatch, LayeredModel, LoadOptions, SeqKv};
 use switchyard_weights::{Architecture, SyntheticSource, WeightSource};
 
 fn synthetic(arch: Architecture) -> LayeredModel {
@@ -171,4 +171,45 @@ fn batched_sequences_equal_solo_runs() {
     let both: Vec<Vec<f32>> = m.forward(&tokens, &mut batch).unwrap().to_vec2().unwrap();
     assert!(max_diff(&both[..a.len()], &solo_a) < 1e-5);
     assert!(max_diff(&both[a.len()..], &solo_b) < 1e-5);
+}
+
+/// `write_kv_layers` writes, at every layer, exactly the K/V the full block would write for the
+/// same input (checked per layer, so every layer sees the same `x`), and nothing else.
+#[test]
+fn kv_only_write_equals_the_full_blocks_kv() {
+    for arch in [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Gemma3,
+    ] {
+        let m = synthetic(arch);
+        let row = m.spec().kv_row_len();
+        let tokens: Vec<u32> = (0..9).map(|i| (i * 53 + 11) % 256).collect();
+        let (prefix, tail) = tokens.split_at(6);
+        let mut base = DenseKv::new(m.n_layers(), row);
+        let mut b = ForwardBatch::single(&mut base, 0, prefix.len());
+        m.forward(prefix, &mut b).unwrap();
+        // Some hidden state for the tail positions: their embeddings after one layer.
+        let x = m.embed(tail).unwrap();
+        let mut scratch = base.clone();
+        let mut b = ForwardBatch::single(&mut scratch, prefix.len(), tail.len());
+        let x = m.forward_layers(x, 0..1, &mut b).unwrap();
+
+        let mut kv_only = base.clone();
+        let mut b = ForwardBatch::single(&mut kv_only, prefix.len(), tail.len());
+        m.write_kv_layers(&x, 1..m.n_layers(), &mut b).unwrap();
+        assert_eq!(kv_only.len(0), prefix.len(), "{arch:?}: layer 0 untouched");
+        for l in 1..m.n_layers() {
+            let mut full = base.clone();
+            let mut b = ForwardBatch::single(&mut full, prefix.len(), tail.len());
+            m.forward_layers(x.clone(), l..l + 1, &mut b).unwrap();
+            let n = tokens.len();
+            let (want, got) = (
+                &full.chunks(l, n).unwrap()[0],
+                &kv_only.chunks(l, n).unwrap()[0],
+            );
+            assert_eq!(want.k, got.k, "{arch:?} layer {l}: K");
+            assert_eq!(want.v, got.v, "{arch:?} layer {l}: V");
+        }
+    }
 }

@@ -54,9 +54,8 @@ pub fn requantize(
     target: GgmlDType,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<()> {
-    let ftype = file_type(target).ok_or_else(|| {
-        WeightsError::BadConfig(format!("cannot re-quantize to {target:?}"))
-    })?;
+    let ftype = file_type(target)
+        .ok_or_else(|| WeightsError::BadConfig(format!("cannot re-quantize to {target:?}")))?;
     let mut metadata: Vec<(String, gguf_file::Value)> = src
         .metadata()
         .iter()
@@ -83,7 +82,8 @@ pub fn requantize(
         source: e,
     };
     let mut f = std::io::BufWriter::new(std::fs::File::create(&partial).map_err(io)?);
-    let md: Vec<(&str, &gguf_file::Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let md: Vec<(&str, &gguf_file::Value)> =
+        metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     gguf_file::write(&mut f, &md, &ts)?;
     use std::io::Write;

@@ -20,11 +20,13 @@ pub mod budget;
 pub mod paged;
 pub mod pool;
 pub mod prefix;
+pub mod rerun;
 
 pub use budget::{activation_bytes, parse_bytes, BudgetPlan, MemoryBudget, Usage};
 pub use paged::{BlockRef, PagedKv, Sharing};
 pub use pool::{Block, BlockId, BlockPool, BLOCK_TOKENS};
 pub use prefix::{BlockHash, PrefixCache};
+pub use rerun::RerunKv;
 
 /// What can go wrong in the KV cache and its memory budget.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -170,6 +170,14 @@ impl PrefixCache {
         n
     }
 
+    /// Counts one lookup of `queried` prompt tokens of which `hit_blocks` full blocks were
+    /// found: what [`PrefixCache::lookup`] adds, for callers that [`PrefixCache::probe`]d first
+    /// and count only once the request is admitted (a request that waits is probed again).
+    pub fn record_lookup(&mut self, queried: usize, hit_blocks: usize) {
+        self.queried_tokens += queried as u64;
+        self.hits_tokens += (hit_blocks * self.block_tokens) as u64;
+    }
+
     /// [`PrefixCache::lookup`] without touching the hit-rate counters.
     pub fn probe(&self, tokens: &[u32], layers: Range<usize>) -> usize {
         if layers.is_empty() {
@@ -343,6 +351,29 @@ impl PrefixCache {
             if let Some(e) = self.entries.remove(&key) {
                 // With `&mut self` nobody can clone the last reference meanwhile; if it were
                 // shared after all, its last holder returns it through `unref`.
+                if let Ok(b) = Arc::try_unwrap(e.block) {
+                    pool.release(b);
+                    freed += 1;
+                }
+            }
+        }
+        freed
+    }
+
+    /// Frees every block of `layers` that only the cache holds (those layers stopped running:
+    /// their blocks must not outlive them); returns how many were freed. Blocks a sequence
+    /// still shares stay.
+    pub fn evict_layers_into(&mut self, pool: &mut BlockPool, layers: Range<usize>) -> usize {
+        let victims: Vec<Key> = self
+            .entries
+            .iter()
+            .filter(|(key, e)| layers.contains(&key.1) && Arc::strong_count(&e.block) == 1)
+            .map(|(&key, _)| key)
+            .collect();
+        let mut freed = 0;
+        for key in victims {
+            if let Some(e) = self.entries.remove(&key) {
+                self.lru.remove(&e.tick);
                 if let Ok(b) = Arc::try_unwrap(e.block) {
                     pool.release(b);
                     freed += 1;
@@ -785,5 +816,32 @@ mod tests {
         assert_eq!(pool.used_blocks(), 2, "B still holds the two shared blocks");
         kvb.release(&mut pool, &mut cache);
         assert_eq!(pool.used_blocks(), 0);
+    }
+
+    #[test]
+    fn evicting_layers_frees_only_their_unshared_blocks() {
+        let mut pool = BlockPool::new(ROW, BT, 20);
+        let mut cache = PrefixCache::new(BT);
+        let a: Vec<u32> = (0..9).collect();
+        let mut kva = PagedKv::for_pool(&pool, 3);
+        compute(&mut pool, &mut kva, &a, 0..3);
+        // 2 full blocks in each of 3 layers.
+        assert_eq!(cache.publish(&mut kva, &a, 0..3), 6);
+        let mut kvb = PagedKv::for_pool(&pool, 3);
+        cache.attach(&mut kvb, &a, 2..3, 2).expect("attach");
+        kva.release(&mut pool, &mut cache);
+        assert_eq!(pool.used_blocks(), 6);
+        // Layers 1 and 2: layer 1's two blocks go, layer 2's are still shared by B.
+        assert_eq!(cache.evict_layers_into(&mut pool, 1..3), 2);
+        assert_eq!((cache.len(), pool.used_blocks()), (4, 4));
+        assert_eq!(cache.probe(&a, 0..1), 2);
+        assert_eq!(cache.probe(&a, 1..2), 0);
+        assert_eq!(cache.probe(&a, 2..3), 2);
+        kvb.release(&mut pool, &mut cache);
+        assert_eq!(cache.evict_layers_into(&mut pool, 0..3), 4);
+        assert_eq!((cache.len(), pool.used_blocks()), (0, 0));
+
+        cache.record_lookup(9, 2);
+        assert_eq!((cache.hits_tokens(), cache.queried_tokens()), (8, 9));
     }
 }

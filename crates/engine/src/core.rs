@@ -1,0 +1,680 @@
+//! [`EngineCore`]: the serving engine's step — schedule, one batched forward, sample,
+//! update — over a model whose resident layers, KV blocks and activation workspace live
+//! inside a hard memory budget.
+//!
+//! One step embeds every scheduled token of every sequence (prefill chunks, decode tokens and
+//! recomputed positions together), runs them through layers `0..depth` in one
+//! [`ForwardBatch`] (so each matmul sees all rows at once, and attention reads each
+//! sequence's own blocks), and sends only the rows that are sampled through the exit head at
+//! `depth`. The core speaks token ids; text and stop strings are handled by
+//! [`crate::output::OutputProcessor`] outside it (vLLM's split).
+//!
+//! Memory: `weights (resident layers, embeddings, head, exit head, layers being loaded) + KV
+//! pool (used and free) + workspace <= budget` holds after every call. The pool is allocated
+//! once from the budget and resized only by residency changes, between steps.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor};
+use serde::Serialize;
+use switchyard_models::{ForwardBatch, LayeredModel, SeqChunk, SeqKv};
+use switchyard_request::{FinishReason, SamplingParams};
+
+use crate::exit::{ExitHead, LogitLens};
+use crate::kv::{activation_bytes, BlockPool, MemoryBudget, RerunKv, Usage, BLOCK_TOKENS};
+use crate::residency::{LayerLoadJob, LayerLoadTime, LoadReport, LoadedLayer};
+use crate::sampler::Sampler;
+use crate::scheduler::{
+    NewSequence, SampledToken, Scheduler, SchedulerConfig, SchedulerCounters, SchedulerOutput,
+    SeqEnd,
+};
+use crate::{EngineError, RequestId, Result};
+
+/// The budget when none is given: 2 GiB (the serving issue's example).
+pub const DEFAULT_MEMORY_BUDGET: u64 = 2 << 30;
+/// Layer load times kept for the stats.
+const LOAD_TIMES_KEPT: usize = 64;
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EngineConfig {
+    /// Bytes the engine may hold: weights + KV pool + activation workspace.
+    pub memory_budget: u64,
+    pub scheduler: SchedulerConfig,
+    /// Positions per KV block.
+    pub block_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            memory_budget: DEFAULT_MEMORY_BUDGET,
+            scheduler: SchedulerConfig::default(),
+            block_tokens: BLOCK_TOKENS,
+        }
+    }
+}
+
+/// A request as the engine takes it: token ids and how to sample.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineRequest {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+}
+
+/// What one step produced for one sequence.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TokenOutput {
+    pub id: RequestId,
+    /// The new token (`None` when an end-of-generation token or a memory limit ended it).
+    pub token: Option<u32>,
+    /// The sampled token's log-probability under the model (0 when nothing was sampled).
+    pub logprob: f32,
+    pub finish: Option<FinishReason>,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// The result of one step.
+#[derive(Debug, Default)]
+pub struct StepResult {
+    pub outputs: Vec<TokenOutput>,
+    /// Sequences that ended with an error (their prompt no longer fits, or the forward failed).
+    pub failed: Vec<(RequestId, EngineError)>,
+    /// Sequences and tokens that ran.
+    pub batch: usize,
+    pub tokens: usize,
+}
+
+/// Memory in use by category, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct MemoryStats {
+    pub budget_bytes: u64,
+    /// Resident weights, exit head and layers being loaded.
+    pub weights_bytes: u64,
+    /// Of `weights_bytes`: layers being loaded.
+    pub weights_loading_bytes: u64,
+    pub kv_used_bytes: u64,
+    pub kv_free_bytes: u64,
+    pub workspace_bytes: u64,
+    /// weights + KV pool + workspace.
+    pub in_use_bytes: u64,
+}
+
+/// A snapshot of the engine.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EngineStats {
+    pub memory: MemoryStats,
+    pub block_tokens: usize,
+    pub block_bytes: u64,
+    pub kv_blocks_total: usize,
+    pub kv_blocks_used: usize,
+    pub kv_blocks_free: usize,
+    pub prefix_cached_blocks: usize,
+    pub depth: usize,
+    pub n_layers: usize,
+    pub resident_layers: usize,
+    pub running: usize,
+    pub waiting: usize,
+    pub counters: SchedulerCounters,
+    pub prefix_cache_hit_tokens: u64,
+    pub prefix_cache_queried_tokens: u64,
+    pub prefix_cache_hit_rate: f64,
+    /// The latest layer loads.
+    pub layer_loads: Vec<LayerLoadTime>,
+}
+
+impl EngineStats {
+    /// How many sequences of `tokens` positions the whole pool holds at the current depth.
+    pub fn batch_that_fits(&self, tokens: usize) -> usize {
+        let per_seq = tokens.max(1).div_ceil(self.block_tokens.max(1)) * self.depth.max(1);
+        self.kv_blocks_total / per_seq
+    }
+
+    /// KV positions the whole pool holds at the current depth.
+    pub fn kv_capacity_tokens(&self) -> usize {
+        self.kv_blocks_total / self.depth.max(1) * self.block_tokens
+    }
+}
+
+/// Per-request state the scheduler does not hold.
+struct Request {
+    sampler: Sampler,
+}
+
+pub struct EngineCore {
+    model: LayeredModel,
+    exit: Box<dyn ExitHead>,
+    scheduler: Scheduler,
+    requests: HashMap<RequestId, Request>,
+    /// Tokens that end generation (EOS, end of turn).
+    end_of_generation: Vec<u32>,
+    budget: MemoryBudget,
+    workspace: u64,
+    block_bytes: u64,
+    /// Layers being loaded and the bytes reserved for each.
+    loading: Option<Vec<(usize, u64)>>,
+    load_times: Vec<LayerLoadTime>,
+}
+
+impl std::fmt::Debug for EngineCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineCore")
+            .field("model", &self.model)
+            .field("exit", &self.exit)
+            .field("scheduler", &self.scheduler)
+            .finish()
+    }
+}
+
+impl EngineCore {
+    /// An engine over `model` (its resident layers must be the first N; it runs all of them)
+    /// with the logit-lens exit head. `end_of_generation`: the tokenizer's end tokens.
+    pub fn new(
+        model: LayeredModel,
+        end_of_generation: Vec<u32>,
+        cfg: EngineConfig,
+    ) -> Result<Self> {
+        Self::with_exit(model, Box::new(LogitLens), end_of_generation, cfg)
+    }
+
+    pub fn with_exit(
+        model: LayeredModel,
+        exit: Box<dyn ExitHead>,
+        end_of_generation: Vec<u32>,
+        cfg: EngineConfig,
+    ) -> Result<Self> {
+        let depth = resident_prefix(&model)?;
+        let spec = model.spec();
+        if cfg.block_tokens == 0 {
+            return Err(EngineError::BadConfig(
+                "block_tokens must be positive".into(),
+            ));
+        }
+        let step_tokens = cfg.scheduler.max_step_tokens(spec.context_length);
+        let workspace = activation_bytes(spec, step_tokens, cfg.scheduler.max_num_seqs) as u64;
+        let block_bytes = (2 * cfg.block_tokens * spec.kv_row_len() * 4) as u64;
+        let budget = MemoryBudget::new(cfg.memory_budget);
+        let weights = model.resident_bytes().total() as u64 + exit.resident_bytes() as u64;
+        let plan = budget.plan(weights, workspace, block_bytes)?;
+        let pool = BlockPool::new(spec.kv_row_len(), cfg.block_tokens, plan.kv_blocks);
+        let scheduler = Scheduler::new(
+            cfg.scheduler,
+            pool,
+            model.n_layers(),
+            depth,
+            spec.context_length,
+        )?;
+        tracing::info!(
+            budget = cfg.memory_budget,
+            weights,
+            workspace,
+            kv_blocks = plan.kv_blocks,
+            depth,
+            "engine memory plan"
+        );
+        Ok(Self {
+            model,
+            exit,
+            scheduler,
+            requests: HashMap::new(),
+            end_of_generation,
+            budget,
+            workspace,
+            block_bytes,
+            loading: None,
+            load_times: Vec::new(),
+        })
+    }
+
+    pub fn model(&self) -> &LayeredModel {
+        &self.model
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    pub fn depth(&self) -> usize {
+        self.scheduler.depth()
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        self.scheduler.has_work()
+    }
+
+    /// Validates and queues a request under `id`.
+    pub fn add_request(&mut self, id: RequestId, req: EngineRequest) -> Result<()> {
+        req.params.validate()?;
+        let vocab = self.model.spec().vocab_size;
+        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(switchyard_models::ModelError::TokenOutOfRange { id: t, vocab }.into());
+        }
+        self.scheduler.add(
+            id,
+            NewSequence {
+                prompt: req.prompt,
+                max_tokens: req.params.max_tokens,
+                ignore_eos: req.params.ignore_eos,
+            },
+        )?;
+        self.requests.insert(
+            id,
+            Request {
+                sampler: Sampler::new(&req.params),
+            },
+        );
+        Ok(())
+    }
+
+    /// Ends a request wherever it is and frees its blocks; whether it was there.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        self.requests.remove(&id);
+        self.scheduler.remove(id)
+    }
+
+    /// One engine step.
+    pub fn step(&mut self) -> StepResult {
+        let _span = tracing::debug_span!("step").entered();
+        let plan = self.scheduler.schedule();
+        let mut result = StepResult {
+            batch: plan.scheduled.len(),
+            tokens: plan.total_tokens(),
+            ..StepResult::default()
+        };
+        for (id, end) in &plan.ended {
+            self.requests.remove(id);
+            match *end {
+                SeqEnd::Finished(reason) => result.outputs.push(TokenOutput {
+                    id: *id,
+                    token: None,
+                    logprob: 0.0,
+                    finish: Some(reason),
+                    cached_tokens: 0,
+                }),
+                SeqEnd::TooLarge {
+                    tokens,
+                    blocks_needed,
+                    pool_blocks,
+                } => result.failed.push((
+                    *id,
+                    EngineError::PromptExceedsMemory {
+                        prompt: tokens,
+                        blocks_needed,
+                        pool_blocks,
+                        depth: self.depth(),
+                    },
+                )),
+            }
+        }
+        if plan.is_empty() {
+            return result;
+        }
+        match self.run(&plan) {
+            Ok(sampled) => {
+                let logprobs: HashMap<RequestId, f32> =
+                    sampled.iter().map(|t| (t.id, t.logprob)).collect();
+                for u in self.scheduler.update_from_output(&plan, &sampled) {
+                    let cached_tokens = self
+                        .scheduler
+                        .sequence(u.id)
+                        .map_or(0, |s| s.cached_tokens());
+                    if u.finish.is_some() {
+                        self.requests.remove(&u.id);
+                    }
+                    result.outputs.push(TokenOutput {
+                        id: u.id,
+                        token: u.token,
+                        logprob: logprobs.get(&u.id).copied().unwrap_or(0.0),
+                        finish: u.finish,
+                        cached_tokens,
+                    });
+                }
+            }
+            Err(e) => {
+                // The sequences of this step cannot continue (their caches may be partly
+                // written); the others are untouched.
+                tracing::error!(error = %e, "forward step failed");
+                let msg = e.to_string();
+                for s in &plan.scheduled {
+                    self.abort(s.id);
+                    result
+                        .failed
+                        .push((s.id, EngineError::StepFailed(msg.clone())));
+                }
+            }
+        }
+        result
+    }
+
+    /// The batched forward of a plan and the sampled tokens.
+    fn run(&mut self, plan: &SchedulerOutput) -> Result<Vec<SampledToken>> {
+        let depth = self.scheduler.depth();
+        let mut tokens = Vec::with_capacity(plan.total_tokens());
+        let mut rows: Vec<(RequestId, u32)> = Vec::new();
+        for s in &plan.scheduled {
+            let seq = self
+                .scheduler
+                .sequence(s.id)
+                .ok_or_else(|| EngineError::StepFailed(format!("request {} vanished", s.id)))?;
+            tokens.extend_from_slice(&seq.tokens()[s.start..s.start + s.n]);
+            if s.sample {
+                rows.push((s.id, (tokens.len() - 1) as u32));
+            }
+        }
+        let hidden = {
+            let _span = tracing::debug_span!("forward", tokens = tokens.len()).entered();
+            let mut views: Vec<RerunKv<'_>> = self
+                .scheduler
+                .kv_batch(plan)
+                .into_iter()
+                .map(RerunKv::new)
+                .collect();
+            if views.len() != plan.scheduled.len() {
+                return Err(EngineError::StepFailed(
+                    "a scheduled sequence has no cache".into(),
+                ));
+            }
+            let chunks = plan
+                .scheduled
+                .iter()
+                .zip(views.iter_mut())
+                .map(|(s, kv)| SeqChunk {
+                    start: s.start,
+                    n: s.n,
+                    kv: kv as &mut dyn SeqKv,
+                })
+                .collect();
+            let mut batch = ForwardBatch::new(chunks);
+            let x = self.model.embed(&tokens)?;
+            self.model.forward_layers(x, 0..depth, &mut batch)?
+        };
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let idx: Vec<u32> = rows.iter().map(|r| r.1).collect();
+        let n_rows = idx.len();
+        let idx = Tensor::from_vec(idx, n_rows, self.model.device())?;
+        let picked = hidden.index_select(&idx, 0)?;
+        let logits = self
+            .exit
+            .exit_logits(&self.model, &picked, depth)?
+            .to_dtype(DType::F32)?
+            .to_vec2::<f32>()?;
+        let _span = tracing::debug_span!("sample", rows = rows.len()).entered();
+        let mut sampled = Vec::with_capacity(rows.len());
+        for ((id, _), row) in rows.iter().zip(&logits) {
+            let (Some(seq), Some(req)) = (self.scheduler.sequence(*id), self.requests.get_mut(id))
+            else {
+                continue;
+            };
+            let s = req.sampler.sample(row, seq.tokens());
+            let token = s.token;
+            sampled.push(SampledToken {
+                id: *id,
+                token,
+                logprob: s.logprob,
+                end_of_generation: self.end_of_generation.contains(&token),
+            });
+        }
+        Ok(sampled)
+    }
+
+    /// Runs layers `0..depth` from the next step on (they must be resident). Lowering the
+    /// depth frees the KV blocks of the layers above it; raising it makes every sequence
+    /// recompute its positions for the new layers (see [`crate::scheduler`]).
+    pub fn set_depth(&mut self, depth: usize) -> Result<()> {
+        let n_layers = self.model.n_layers();
+        if depth == 0 || depth > n_layers {
+            return Err(EngineError::BadDepth { depth, n_layers });
+        }
+        if (0..depth).any(|l| !self.model.is_resident(l)) {
+            return Err(EngineError::DepthNotResident {
+                depth,
+                resident: self.model.resident_layers(),
+            });
+        }
+        self.scheduler.set_depth(depth)
+    }
+
+    /// Number of resident layers (always the first N).
+    pub fn resident_layers(&self) -> usize {
+        (0..self.model.n_layers())
+            .take_while(|&l| self.model.is_resident(l))
+            .count()
+    }
+
+    /// First half of loading layers `resident..upto`: takes their bytes from the KV pool
+    /// (free blocks, then cached ones, then by preempting the newest sequences) and returns
+    /// the job that reads them, to run on any thread. Install what it loads with
+    /// [`EngineCore::install_layer`], then call [`EngineCore::finish_load`].
+    pub fn begin_load(&mut self, upto: usize) -> Result<(LayerLoadJob, LoadReport)> {
+        if let Some(l) = &self.loading {
+            let (start, end) = (
+                l.first().map_or(0, |x| x.0),
+                l.last().map_or(0, |x| x.0 + 1),
+            );
+            return Err(EngineError::LoadInProgress { start, end });
+        }
+        let n_layers = self.model.n_layers();
+        if upto > n_layers {
+            return Err(EngineError::BadDepth {
+                depth: upto,
+                n_layers,
+            });
+        }
+        let start = self.resident_layers();
+        let layers = start..upto.max(start);
+        let planned: Vec<(usize, u64)> = layers
+            .clone()
+            .map(|l| (l, self.model.layer_bytes(l) as u64))
+            .collect();
+        let bytes: u64 = planned.iter().map(|p| p.1).sum();
+        let weights = self.weights_bytes();
+        let target = self
+            .budget
+            .plan(weights + bytes, self.workspace, self.block_bytes)
+            .map_err(|_| EngineError::LayersExceedBudget {
+                start: layers.start,
+                end: layers.end,
+                bytes,
+                budget: self.budget.total_bytes,
+                weights,
+                workspace: self.workspace,
+            })?
+            .kv_blocks;
+        let before = self.scheduler.pool().total_blocks();
+        let preempted = self.scheduler.shrink_pool_to(target);
+        self.loading = Some(planned);
+        let job = LayerLoadJob {
+            source: std::sync::Arc::clone(self.model.source()),
+            device: self.model.device().clone(),
+            format: self.model.loader().format,
+            cfg: self.model.config().clone(),
+            layers,
+        };
+        let report = LoadReport {
+            layers: Vec::new(),
+            preempted,
+            pool_blocks_freed: before as i64 - self.scheduler.pool().total_blocks() as i64,
+        };
+        Ok((job, report))
+    }
+
+    /// Puts a layer of the load in progress in place (between steps).
+    pub fn install_layer(&mut self, loaded: LoadedLayer) -> Result<LayerLoadTime> {
+        let Some(planned) = self.loading.as_mut() else {
+            return Err(EngineError::BadConfig(format!(
+                "layer {} arrived with no load in progress",
+                loaded.layer
+            )));
+        };
+        let Some(i) = planned.iter().position(|p| p.0 == loaded.layer) else {
+            return Err(EngineError::BadConfig(format!(
+                "layer {} is not part of the load in progress",
+                loaded.layer
+            )));
+        };
+        planned.remove(i);
+        self.model.install_layer(loaded.layer, loaded.block)?;
+        // The planned size is computed from the file; should the kernels hold more, the pool
+        // gives the difference back so the budget still holds.
+        self.fit_pool();
+        let t = LayerLoadTime {
+            layer: loaded.layer,
+            bytes: loaded.bytes,
+            secs: loaded.secs,
+        };
+        self.load_times.push(t);
+        if self.load_times.len() > LOAD_TIMES_KEPT {
+            self.load_times.remove(0);
+        }
+        Ok(t)
+    }
+
+    /// Ends the load in progress: bytes reserved for layers that never arrived go back to
+    /// the pool.
+    pub fn finish_load(&mut self) {
+        self.loading = None;
+        self.fit_pool();
+    }
+
+    /// Loads layers `resident..upto` on this thread (for callers without an actor).
+    pub fn load_layers_now(&mut self, upto: usize) -> Result<LoadReport> {
+        let (job, mut report) = self.begin_load(upto)?;
+        let mut result = Ok(());
+        job.run(|r| match r {
+            Ok(layer) => match self.install_layer(layer) {
+                Ok(t) => {
+                    report.layers.push(t);
+                    true
+                }
+                Err(e) => {
+                    result = Err(e);
+                    false
+                }
+            },
+            Err(e) => {
+                result = Err(e);
+                false
+            }
+        });
+        self.finish_load();
+        result.map(|()| report)
+    }
+
+    /// Keeps only layers `0..keep` resident: frees the other layers' weights and KV blocks
+    /// and gives their memory to the KV pool. The depth drops to `keep` if it was above.
+    pub fn drop_layers(&mut self, keep: usize) -> Result<LoadReport> {
+        if let Some(l) = &self.loading {
+            let (start, end) = (
+                l.first().map_or(0, |x| x.0),
+                l.last().map_or(0, |x| x.0 + 1),
+            );
+            return Err(EngineError::LoadInProgress { start, end });
+        }
+        let n_layers = self.model.n_layers();
+        if keep == 0 || keep > n_layers {
+            return Err(EngineError::BadDepth {
+                depth: keep,
+                n_layers,
+            });
+        }
+        if self.depth() > keep {
+            self.scheduler.set_depth(keep)?;
+        }
+        for l in keep..n_layers {
+            self.model.drop_layer(l);
+        }
+        let before = self.scheduler.pool().total_blocks();
+        self.fit_pool();
+        Ok(LoadReport {
+            pool_blocks_freed: before as i64 - self.scheduler.pool().total_blocks() as i64,
+            ..LoadReport::default()
+        })
+    }
+
+    /// Resizes the pool to what the budget leaves beside the weights and the workspace.
+    fn fit_pool(&mut self) {
+        let weights = self.weights_bytes();
+        let target = self
+            .budget
+            .plan(weights, self.workspace, self.block_bytes)
+            .map_or(0, |p| p.kv_blocks);
+        let total = self.scheduler.pool().total_blocks();
+        if target < total {
+            self.scheduler.shrink_pool_to(target);
+        } else {
+            self.scheduler.grow_pool_to(target);
+        }
+    }
+
+    /// Resident weights, the exit head and the bytes reserved for layers being loaded.
+    pub fn weights_bytes(&self) -> u64 {
+        self.model.resident_bytes().total() as u64
+            + self.exit.resident_bytes() as u64
+            + self.loading_bytes()
+    }
+
+    fn loading_bytes(&self) -> u64 {
+        self.loading
+            .as_ref()
+            .map_or(0, |l| l.iter().map(|p| p.1).sum())
+    }
+
+    /// Memory in use by category; [`Usage::check`] holds after every call.
+    pub fn usage(&self) -> Usage {
+        self.budget
+            .usage(self.weights_bytes(), self.scheduler.pool(), self.workspace)
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let u = self.usage();
+        let pool = self.scheduler.pool();
+        let cache = self.scheduler.cache();
+        EngineStats {
+            memory: MemoryStats {
+                budget_bytes: u.total,
+                weights_bytes: u.weights,
+                weights_loading_bytes: self.loading_bytes(),
+                kv_used_bytes: u.kv_used,
+                kv_free_bytes: u.kv_free,
+                workspace_bytes: u.workspace,
+                in_use_bytes: u.in_use(),
+            },
+            block_tokens: pool.block_tokens(),
+            block_bytes: self.block_bytes,
+            kv_blocks_total: pool.total_blocks(),
+            kv_blocks_used: pool.used_blocks(),
+            kv_blocks_free: pool.free_blocks(),
+            prefix_cached_blocks: cache.len(),
+            depth: self.depth(),
+            n_layers: self.model.n_layers(),
+            resident_layers: self.resident_layers(),
+            running: self.scheduler.running().len(),
+            waiting: self.scheduler.waiting().count(),
+            counters: *self.scheduler.counters(),
+            prefix_cache_hit_tokens: cache.hits_tokens(),
+            prefix_cache_queried_tokens: cache.queried_tokens(),
+            prefix_cache_hit_rate: cache.hit_rate(),
+            layer_loads: self.load_times.clone(),
+        }
+    }
+}
+
+/// Every token `tokenizer` ends generation on (EOS, end of turn, ...).
+pub fn end_of_generation_tokens(tokenizer: &switchyard_tokenizer::Tokenizer) -> Vec<u32> {
+    (0..tokenizer.vocab_size() as u32)
+        .filter(|&t| tokenizer.is_end_of_generation(t))
+        .collect()
+}
+
+/// The number of resident layers, which must be the first N (at least one).
+fn resident_prefix(model: &LayeredModel) -> Result<usize> {
+    let resident = model.resident_layers();
+    let n = resident.len();
+    if n == 0 || resident.iter().enumerate().any(|(i, &l)| i != l) {
+        return Err(EngineError::ResidentNotPrefix { resident });
+    }
+    Ok(n)
+}

@@ -1,0 +1,458 @@
+//! [`EngineHandle`]: the serving engine as an actor. One thread owns the [`EngineCore`] and
+//! the output processor and runs `commands -> step -> outputs` in a loop; the rest of the
+//! program reaches it through a cloneable handle that sends commands over a channel.
+//!
+//! Each request gets its own output stream (a tokio unbounded channel, usable from async and
+//! from plain threads). Dropping the stream is how a client says it went away: the engine
+//! aborts the request before its next step and frees its blocks.
+//!
+//! Layer loads run on a background thread; the engine installs each layer between steps, so
+//! loading overlaps with serving.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use switchyard_request::FinishReason;
+use switchyard_tokenizer::Tokenizer;
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+use switchyard_models::LayeredModel;
+
+use crate::core::{end_of_generation_tokens, EngineConfig, EngineCore, EngineRequest, EngineStats};
+use crate::output::{Completion, OutputProcessor, OutputSink, RequestOutput};
+use crate::residency::{LoadReport, LoadedLayer};
+use crate::{EngineError, RequestId, Result};
+
+/// How often an idle engine looks for layers finished by a background load.
+const LOAD_POLL: Duration = Duration::from_millis(2);
+
+/// What the rest of the program needs to know about the engine's model.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    pub model: String,
+    pub n_layers: usize,
+    pub context_length: usize,
+    pub vocab_size: usize,
+    pub tokenizer: Arc<Tokenizer>,
+}
+
+enum Command {
+    Add {
+        id: RequestId,
+        request: EngineRequest,
+        arrival: Instant,
+        sink: OutputSink,
+    },
+    Abort {
+        id: RequestId,
+    },
+    SetDepth {
+        depth: usize,
+        reply: oneshot::Sender<Result<()>>,
+    },
+    LoadLayers {
+        upto: usize,
+        raise_depth: bool,
+        reply: oneshot::Sender<Result<LoadReport>>,
+    },
+    DropLayers {
+        keep: usize,
+        reply: oneshot::Sender<Result<LoadReport>>,
+    },
+    Stats {
+        reply: oneshot::Sender<Result<EngineStats>>,
+    },
+    Shutdown {
+        reply: oneshot::Sender<Result<()>>,
+    },
+}
+
+/// A reply on its way from the engine thread: [`Pending::wait`] from plain threads,
+/// [`Pending::recv`] from async code.
+#[derive(Debug)]
+pub struct Pending<T> {
+    rx: Option<oneshot::Receiver<Result<T>>>,
+}
+
+impl<T> Pending<T> {
+    /// Blocks until the engine answers. Must not be called from inside an async runtime.
+    pub fn wait(self) -> Result<T> {
+        match self.rx {
+            Some(rx) => rx
+                .blocking_recv()
+                .unwrap_or(Err(EngineError::EngineStopped)),
+            None => Err(EngineError::EngineStopped),
+        }
+    }
+
+    pub async fn recv(self) -> Result<T> {
+        match self.rx {
+            Some(rx) => rx.await.unwrap_or(Err(EngineError::EngineStopped)),
+            None => Err(EngineError::EngineStopped),
+        }
+    }
+}
+
+/// One request's outputs, in order; the last one has a finish reason (or is an error).
+/// Dropping it aborts the request.
+#[derive(Debug)]
+pub struct RequestStream {
+    id: RequestId,
+    rx: tmpsc::UnboundedReceiver<Result<RequestOutput>>,
+}
+
+impl RequestStream {
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    pub async fn next(&mut self) -> Option<Result<RequestOutput>> {
+        self.rx.recv().await
+    }
+
+    /// The next output if one is ready (`None` when none is, or the stream has ended).
+    pub fn try_next(&mut self) -> Option<Result<RequestOutput>> {
+        self.rx.try_recv().ok()
+    }
+
+    /// Blocks for the next output. Must not be called from inside an async runtime.
+    pub fn blocking_next(&mut self) -> Option<Result<RequestOutput>> {
+        self.rx.blocking_recv()
+    }
+
+    /// Blocks until the request ends and gathers it.
+    pub fn wait(mut self) -> Result<Completion> {
+        let mut outputs = Vec::new();
+        while let Some(o) = self.blocking_next() {
+            let o = o?;
+            let last = o.finish_reason.is_some();
+            outputs.push(o);
+            if last {
+                break;
+            }
+        }
+        Completion::gather(outputs).ok_or(EngineError::EngineStopped)
+    }
+}
+
+/// The handle to a running engine; clone it freely.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    next_id: Arc<AtomicU64>,
+    info: Arc<EngineInfo>,
+}
+
+impl EngineHandle {
+    /// Builds an engine over `model` (see [`EngineCore::new`]) that stops on the tokenizer's
+    /// end-of-generation tokens, and starts it.
+    pub fn start(
+        model: LayeredModel,
+        tokenizer: Arc<Tokenizer>,
+        cfg: EngineConfig,
+        model_name: &str,
+    ) -> Result<Self> {
+        let eog = end_of_generation_tokens(&tokenizer);
+        let core = EngineCore::new(model, eog, cfg)?;
+        Self::spawn(core, tokenizer, model_name)
+    }
+
+    /// Starts the engine thread; it runs until [`EngineHandle::shutdown`] or until every
+    /// handle is dropped and no request is left.
+    pub fn spawn(core: EngineCore, tokenizer: Arc<Tokenizer>, model_name: &str) -> Result<Self> {
+        let spec = core.model().spec();
+        let info = Arc::new(EngineInfo {
+            model: model_name.to_string(),
+            n_layers: core.model().n_layers(),
+            context_length: spec.context_length,
+            vocab_size: spec.vocab_size,
+            tokenizer: Arc::clone(&tokenizer),
+        });
+        let (tx, rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("switchyard-engine".into())
+            .spawn(move || serve(core, &tokenizer, rx))
+            .map_err(|e| EngineError::BadConfig(format!("cannot start the engine thread: {e}")))?;
+        Ok(Self {
+            tx,
+            next_id: Arc::new(AtomicU64::new(0)),
+            info,
+        })
+    }
+
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    /// Queues a request; its outputs arrive on the returned stream. Requests that can never
+    /// run (empty, longer than the context, invalid sampling) are refused here; one that
+    /// cannot fit the memory budget gets the error as the first item of its stream.
+    pub fn add_request(&self, request: EngineRequest) -> Result<RequestStream> {
+        request.params.validate()?;
+        let prompt = request.prompt.len();
+        if prompt == 0 {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if prompt >= self.info.context_length {
+            return Err(EngineError::PromptTooLong {
+                prompt,
+                context: self.info.context_length,
+            });
+        }
+        let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let (sink, rx) = tmpsc::unbounded_channel();
+        self.tx
+            .send(Command::Add {
+                id,
+                request,
+                arrival: Instant::now(),
+                sink,
+            })
+            .map_err(|_| EngineError::EngineStopped)?;
+        Ok(RequestStream { id, rx })
+    }
+
+    /// Ends a request (its stream gets a last output with [`FinishReason::Abort`]).
+    pub fn abort(&self, id: RequestId) {
+        let _ = self.tx.send(Command::Abort { id });
+    }
+
+    /// Runs layers `0..depth` from the next step on.
+    pub fn set_depth(&self, depth: usize) -> Pending<()> {
+        self.ask(|reply| Command::SetDepth { depth, reply })
+    }
+
+    /// Loads layers `resident..upto` in the background (making room in the budget first);
+    /// the reply comes when all are installed. With `raise_depth`, the depth becomes `upto`.
+    pub fn load_layers(&self, upto: usize, raise_depth: bool) -> Pending<LoadReport> {
+        self.ask(|reply| Command::LoadLayers {
+            upto,
+            raise_depth,
+            reply,
+        })
+    }
+
+    /// Keeps layers `0..keep` resident; their memory goes to the KV pool.
+    pub fn drop_layers(&self, keep: usize) -> Pending<LoadReport> {
+        self.ask(|reply| Command::DropLayers { keep, reply })
+    }
+
+    pub fn stats(&self) -> Pending<EngineStats> {
+        self.ask(|reply| Command::Stats { reply })
+    }
+
+    /// Aborts every request and stops the engine thread.
+    pub fn shutdown(&self) -> Pending<()> {
+        self.ask(|reply| Command::Shutdown { reply })
+    }
+
+    fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<Result<T>>) -> Command) -> Pending<T> {
+        let (reply, rx) = oneshot::channel();
+        Pending {
+            rx: self.tx.send(make(reply)).is_ok().then_some(rx),
+        }
+    }
+}
+
+/// A background layer load in progress.
+struct Loading {
+    rx: mpsc::Receiver<Result<LoadedLayer>>,
+    upto: usize,
+    raise_depth: bool,
+    report: LoadReport,
+    error: Option<EngineError>,
+    reply: oneshot::Sender<Result<LoadReport>>,
+}
+
+/// The engine thread.
+struct Server<'t> {
+    core: EngineCore,
+    out: OutputProcessor<'t>,
+    loading: Option<Loading>,
+}
+
+enum Flow {
+    Continue,
+    /// Shut down; answer once the command channel is closed, so no later command is lost
+    /// in a channel nobody reads.
+    Stop(oneshot::Sender<Result<()>>),
+}
+
+fn serve(core: EngineCore, tokenizer: &Tokenizer, rx: mpsc::Receiver<Command>) {
+    let mut s = Server {
+        core,
+        out: OutputProcessor::new(tokenizer),
+        loading: None,
+    };
+    loop {
+        // Block for a command only when there is nothing to run.
+        if !s.core.has_work() {
+            let cmd = if s.loading.is_some() {
+                match rx.recv_timeout(LOAD_POLL) {
+                    Ok(c) => Some(c),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            } else {
+                match rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => break,
+                }
+            };
+            if let Some(c) = cmd {
+                if let Flow::Stop(reply) = s.command(c) {
+                    drop(rx);
+                    let _ = reply.send(Ok(()));
+                    return;
+                }
+            }
+        }
+        while let Ok(c) = rx.try_recv() {
+            if let Flow::Stop(reply) = s.command(c) {
+                drop(rx);
+                let _ = reply.send(Ok(()));
+                return;
+            }
+        }
+        s.poll_load();
+        for id in s.out.closed() {
+            s.core.abort(id);
+            s.out.remove(id);
+        }
+        if s.core.has_work() {
+            let result = s.core.step();
+            let idle = result.batch == 0;
+            for id in s.out.process(result) {
+                s.core.abort(id);
+            }
+            if idle {
+                // Nothing could run (e.g. all memory is being handed to a layer load).
+                std::thread::sleep(LOAD_POLL);
+            }
+        }
+    }
+    s.stop();
+}
+
+impl Server<'_> {
+    fn command(&mut self, c: Command) -> Flow {
+        match c {
+            Command::Add {
+                id,
+                request,
+                arrival,
+                sink,
+            } => {
+                let prompt = request.prompt.len();
+                let stop = request.params.stop.clone();
+                match self.core.add_request(id, request) {
+                    Ok(()) => self.out.add(id, prompt, &stop, arrival, sink),
+                    Err(e) => {
+                        let _ = sink.send(Err(e));
+                    }
+                }
+            }
+            Command::Abort { id } => {
+                if self.core.abort(id) {
+                    self.out.finish(id, FinishReason::Abort);
+                }
+            }
+            Command::SetDepth { depth, reply } => {
+                let _ = reply.send(self.core.set_depth(depth));
+            }
+            Command::LoadLayers {
+                upto,
+                raise_depth,
+                reply,
+            } => self.start_load(upto, raise_depth, reply),
+            Command::DropLayers { keep, reply } => {
+                let _ = reply.send(self.core.drop_layers(keep));
+            }
+            Command::Stats { reply } => {
+                let _ = reply.send(Ok(self.core.stats()));
+            }
+            Command::Shutdown { reply } => {
+                self.stop();
+                return Flow::Stop(reply);
+            }
+        }
+        Flow::Continue
+    }
+
+    fn start_load(
+        &mut self,
+        upto: usize,
+        raise_depth: bool,
+        reply: oneshot::Sender<Result<LoadReport>>,
+    ) {
+        let (job, report) = match self.core.begin_load(upto) {
+            Ok(j) => j,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
+        for id in &report.preempted {
+            tracing::info!(id = id.0, "preempted to make room for layers");
+        }
+        let (tx, rx) = mpsc::channel();
+        let spawned = std::thread::Builder::new()
+            .name("switchyard-layer-load".into())
+            .spawn(move || job.run(|r| tx.send(r).is_ok()));
+        if let Err(e) = spawned {
+            self.core.finish_load();
+            let _ = reply.send(Err(EngineError::BadConfig(format!(
+                "cannot start the layer-load thread: {e}"
+            ))));
+            return;
+        }
+        self.loading = Some(Loading {
+            rx,
+            upto,
+            raise_depth,
+            report,
+            error: None,
+            reply,
+        });
+    }
+
+    /// Installs the layers a background load has finished; completes the load when its
+    /// thread is done.
+    fn poll_load(&mut self) {
+        let Some(l) = self.loading.as_mut() else {
+            return;
+        };
+        loop {
+            match l.rx.try_recv() {
+                Ok(Ok(layer)) => match self.core.install_layer(layer) {
+                    Ok(t) => l.report.layers.push(t),
+                    Err(e) => l.error = Some(e),
+                },
+                Ok(Err(e)) => l.error = Some(e),
+                Err(mpsc::TryRecvError::Empty) => return,
+                Err(mpsc::TryRecvError::Disconnected) => break,
+            }
+        }
+        let Some(l) = self.loading.take() else {
+            return;
+        };
+        self.core.finish_load();
+        let result = match l.error {
+            Some(e) => Err(e),
+            None if l.raise_depth => self.core.set_depth(l.upto).map(|()| l.report),
+            None => Ok(l.report),
+        };
+        let _ = l.reply.send(result);
+    }
+
+    /// Aborts every request.
+    fn stop(&mut self) {
+        let ids: Vec<RequestId> = self.core.scheduler().waiting().collect();
+        let running: Vec<RequestId> = self.core.scheduler().running().to_vec();
+        for id in ids.into_iter().chain(running) {
+            self.core.abort(id);
+            self.out.finish(id, FinishReason::Abort);
+        }
+    }
+}

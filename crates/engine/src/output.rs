@@ -1,0 +1,291 @@
+//! Per-request outputs: [`OutputProcessor`] turns the core's token ids into streamed text
+//! (incremental detokenization, stop strings) and sends one [`RequestOutput`] per new token
+//! to each request's channel; [`Completion`] gathers a whole stream.
+//!
+//! Stop strings are matched here, outside the core, as vLLM's output processor does: when one
+//! matches, the processor reports the request so the engine drops it before the next step.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use switchyard_request::FinishReason;
+use switchyard_tokenizer::{StreamDecoder, Tokenizer};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::core::{StepResult, TokenOutput};
+use crate::stop::{StopMatcher, StopOutcome};
+use crate::{EngineError, RequestId, Result};
+
+/// What a request's stream carries: outputs, or the error that ended it.
+pub type OutputSink = UnboundedSender<Result<RequestOutput>>;
+
+/// New output of one request (usually one token).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestOutput {
+    pub id: RequestId,
+    /// New token ids (end-of-generation tokens are not output).
+    pub token_ids: Vec<u32>,
+    /// Their log-probabilities under the model.
+    pub logprobs: Vec<f32>,
+    /// New text (may be empty while a character or a possible stop string is incomplete).
+    pub text: String,
+    /// Set on the last output of the request.
+    pub finish_reason: Option<FinishReason>,
+    pub prompt_tokens: usize,
+    /// Output tokens so far.
+    pub output_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+    /// When the request entered the engine.
+    pub arrival: Instant,
+    /// When its first token was sampled.
+    pub first_token_at: Option<Instant>,
+    /// When this output was produced.
+    pub at: Instant,
+}
+
+/// A whole request, gathered from its stream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    pub id: RequestId,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub arrival: Instant,
+    pub first_token_at: Option<Instant>,
+    pub finished_at: Instant,
+    /// When each output arrived (inter-token latencies).
+    pub token_times: Vec<Instant>,
+}
+
+impl Completion {
+    /// Gathers outputs until the one with a finish reason; `None` if `outputs` ends first.
+    pub fn gather(outputs: impl IntoIterator<Item = RequestOutput>) -> Option<Self> {
+        let mut c: Option<Completion> = None;
+        for o in outputs {
+            let c = c.get_or_insert_with(|| Completion {
+                id: o.id,
+                token_ids: Vec::new(),
+                logprobs: Vec::new(),
+                text: String::new(),
+                finish_reason: FinishReason::Abort,
+                prompt_tokens: o.prompt_tokens,
+                cached_tokens: o.cached_tokens,
+                arrival: o.arrival,
+                first_token_at: None,
+                finished_at: o.at,
+                token_times: Vec::new(),
+            });
+            c.token_ids.extend_from_slice(&o.token_ids);
+            c.logprobs.extend_from_slice(&o.logprobs);
+            c.text.push_str(&o.text);
+            c.cached_tokens = o.cached_tokens;
+            c.first_token_at = o.first_token_at;
+            c.finished_at = o.at;
+            if !o.token_ids.is_empty() {
+                c.token_times.push(o.at);
+            }
+            if let Some(r) = o.finish_reason {
+                c.finish_reason = r;
+                return Some(c.clone());
+            }
+        }
+        None
+    }
+
+    /// Submission to last output.
+    pub fn latency(&self) -> Duration {
+        self.finished_at.saturating_duration_since(self.arrival)
+    }
+
+    /// Time to first token.
+    pub fn ttft(&self) -> Option<Duration> {
+        self.first_token_at
+            .map(|t| t.saturating_duration_since(self.arrival))
+    }
+
+    /// Mean time per output token after the first.
+    pub fn tpot(&self) -> Option<Duration> {
+        let first = self.first_token_at?;
+        let n = self.token_ids.len().checked_sub(1).filter(|&n| n > 0)?;
+        Some(self.finished_at.saturating_duration_since(first) / n as u32)
+    }
+}
+
+struct Tracked<'t> {
+    sink: OutputSink,
+    decoder: StreamDecoder<'t>,
+    stop: StopMatcher,
+    prompt_tokens: usize,
+    output_tokens: usize,
+    cached_tokens: usize,
+    arrival: Instant,
+    first_token_at: Option<Instant>,
+}
+
+/// Detokenizes and routes the core's outputs to each request's channel.
+pub struct OutputProcessor<'t> {
+    tokenizer: &'t Tokenizer,
+    requests: HashMap<RequestId, Tracked<'t>>,
+}
+
+impl<'t> OutputProcessor<'t> {
+    pub fn new(tokenizer: &'t Tokenizer) -> Self {
+        Self {
+            tokenizer,
+            requests: HashMap::new(),
+        }
+    }
+
+    pub fn add(
+        &mut self,
+        id: RequestId,
+        prompt_tokens: usize,
+        stop: &[String],
+        arrival: Instant,
+        sink: OutputSink,
+    ) {
+        self.requests.insert(
+            id,
+            Tracked {
+                sink,
+                decoder: self.tokenizer.stream(),
+                stop: StopMatcher::new(stop),
+                prompt_tokens,
+                output_tokens: 0,
+                cached_tokens: 0,
+                arrival,
+                first_token_at: None,
+            },
+        );
+    }
+
+    pub fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// Requests whose receiver was dropped (the client went away).
+    pub fn closed(&self) -> Vec<RequestId> {
+        self.requests
+            .iter()
+            .filter(|(_, t)| t.sink.is_closed())
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// Forgets a request without sending anything.
+    pub fn remove(&mut self, id: RequestId) {
+        self.requests.remove(&id);
+    }
+
+    /// Ends a request with `error`.
+    pub fn fail(&mut self, id: RequestId, error: EngineError) {
+        if let Some(t) = self.requests.remove(&id) {
+            let _ = t.sink.send(Err(error));
+        }
+    }
+
+    /// Ends a request with `reason` (and whatever text it held back), as after an abort.
+    pub fn finish(&mut self, id: RequestId, reason: FinishReason) {
+        self.emit(
+            TokenOutput {
+                id,
+                token: None,
+                logprob: 0.0,
+                finish: Some(reason),
+                cached_tokens: 0,
+            },
+            Instant::now(),
+        );
+    }
+
+    /// Sends a step's outputs; returns the requests a stop string ended, which the engine
+    /// must drop from the core.
+    pub fn process(&mut self, step: StepResult) -> Vec<RequestId> {
+        let now = Instant::now();
+        for (id, e) in step.failed {
+            self.fail(id, e);
+        }
+        step.outputs
+            .into_iter()
+            .filter(|o| self.emit(*o, now))
+            .map(|o| o.id)
+            .collect()
+    }
+
+    /// Sends one output; whether a stop string ended a request the core still runs.
+    fn emit(&mut self, o: TokenOutput, now: Instant) -> bool {
+        let Some(t) = self.requests.get_mut(&o.id) else {
+            return false;
+        };
+        let mut text = String::new();
+        let mut finish = o.finish;
+        let mut stopped = false;
+        let mut token_ids = Vec::new();
+        let mut logprobs = Vec::new();
+        if o.token.is_some() || o.finish == Some(FinishReason::Stop) {
+            t.first_token_at.get_or_insert(now);
+        }
+        t.cached_tokens = t.cached_tokens.max(o.cached_tokens);
+        if let Some(tok) = o.token {
+            token_ids.push(tok);
+            logprobs.push(o.logprob);
+            t.output_tokens += 1;
+            match t.decoder.push(tok) {
+                Ok(Some(piece)) => stopped = push_text(&mut t.stop, &piece, &mut text),
+                Ok(None) => {}
+                Err(e) => tracing::warn!(error = %e, token = tok, "cannot detokenize"),
+            }
+        }
+        if stopped {
+            finish = Some(FinishReason::Stop);
+        } else if finish.is_some() {
+            // Bytes of an incomplete character, then text held back as a possible stop.
+            let tail = t.decoder.flush().unwrap_or_default();
+            if push_text(&mut t.stop, &tail, &mut text) {
+                finish = Some(FinishReason::Stop);
+            } else {
+                text.push_str(&t.stop.finish());
+            }
+        }
+        let out = RequestOutput {
+            id: o.id,
+            token_ids,
+            logprobs,
+            text,
+            finish_reason: finish,
+            prompt_tokens: t.prompt_tokens,
+            output_tokens: t.output_tokens,
+            cached_tokens: t.cached_tokens,
+            arrival: t.arrival,
+            first_token_at: t.first_token_at,
+            at: now,
+        };
+        let _ = t.sink.send(Ok(out));
+        if finish.is_some() {
+            self.requests.remove(&o.id);
+        }
+        stopped && o.finish.is_none()
+    }
+}
+
+/// Feeds text to the stop matcher; whether a stop string ended it.
+fn push_text(stop: &mut StopMatcher, piece: &str, text: &mut String) -> bool {
+    match stop.push(piece) {
+        StopOutcome::Continue(s) => {
+            text.push_str(&s);
+            false
+        }
+        StopOutcome::Stopped(s) => {
+            text.push_str(&s);
+            true
+        }
+    }
+}

@@ -1,0 +1,34 @@
+//! Calibrated heads behind the engine's exit seam ([`switchyard_engine::ExitHead`]), so the
+//! serving scheduler's fixed-depth exit can use them in place of the logit lens.
+
+use candle_core::Tensor;
+use switchyard_models::{LayeredModel, ModelError};
+
+use crate::heads::{ExitHead, ExitHeads};
+
+impl switchyard_engine::ExitHead for ExitHeads {
+    fn exit_logits(
+        &self,
+        model: &LayeredModel,
+        hidden: &Tensor,
+        depth: usize,
+    ) -> switchyard_models::Result<Tensor> {
+        self.logits(model, depth, hidden).map_err(|e| match e {
+            crate::ExitsError::Model(m) => m,
+            crate::ExitsError::Candle(c) => ModelError::Candle(c),
+            // A depth without a head: the engine asked for an exit these heads do not have.
+            other => ModelError::Candle(candle_core::Error::Msg(other.to_string())),
+        })
+    }
+
+    fn resident_bytes(&self) -> usize {
+        self.iter()
+            .map(|(_, h)| match h {
+                ExitHead::Identity => 0,
+                ExitHead::Affine { weight_t, bias } => {
+                    (weight_t.elem_count() + bias.elem_count()) * std::mem::size_of::<f32>()
+                }
+            })
+            .sum()
+    }
+}

@@ -1,0 +1,184 @@
+//! The heads file: one safetensors file beside the model, `<model>.exits.safetensors`.
+//!
+//! Tensors: `exit.<depth>.weight` (`A`, `[d_model, d_model]` f32, `y = A h + b`) and
+//! `exit.<depth>.bias` (`[d_model]` f32) for each affine head; identity heads have none. The
+//! safetensors header's metadata holds one key, [`META_KEY`], whose value is the JSON of
+//! [`HeadsMeta`]: the model's SHA-256, size, name and shape, each head's depth and kind, and how
+//! the heads were calibrated. One file, written to a temporary name and renamed, so heads and
+//! their metadata can never disagree. Loading checks the model hash and shape and refuses a
+//! stale or mismatched file.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use switchyard_models::LayeredModel;
+
+use crate::fingerprint::Fingerprint;
+use crate::heads::{ExitHead, ExitHeads, HeadKind, HeadsMeta, FORMAT_VERSION};
+use crate::{ExitsError, Result};
+
+/// The metadata key holding [`HeadsMeta`] as JSON.
+pub const META_KEY: &str = "switchyard.exits";
+
+/// `model` with `suffix` appended to its last component (a trailing `/` of a folder dropped).
+pub fn sibling(model: &Path, suffix: &str) -> PathBuf {
+    let s = model.as_os_str().to_string_lossy();
+    let trimmed = s.trim_end_matches('/');
+    PathBuf::from(format!("{trimmed}{suffix}"))
+}
+
+/// Where `switchyard calibrate` puts the heads of the model at `model`.
+pub fn default_heads_path(model: &Path) -> PathBuf {
+    sibling(model, ".exits.safetensors")
+}
+
+fn weight_name(depth: usize) -> String {
+    format!("exit.{depth}.weight")
+}
+
+fn bias_name(depth: usize) -> String {
+    format!("exit.{depth}.bias")
+}
+
+fn f32_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    let v = t.flatten_all()?.to_vec1::<f32>()?;
+    Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+}
+
+/// Writes `heads` to `path` (atomically: a temporary file renamed into place).
+pub fn save(heads: &ExitHeads, path: &Path) -> Result<()> {
+    let mut blobs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (depth, head) in heads.iter() {
+        match head {
+            ExitHead::Identity => {}
+            ExitHead::Affine { weight_t, bias } => {
+                let w = weight_t.t()?.contiguous()?;
+                blobs.push((weight_name(depth), w.dims().to_vec(), f32_bytes(&w)?));
+                blobs.push((bias_name(depth), bias.dims().to_vec(), f32_bytes(bias)?));
+            }
+        }
+    }
+    let meta = serde_json::to_string(heads.meta())
+        .map_err(|e| ExitsError::Internal(format!("heads metadata as JSON: {e}")))?;
+    let views = blobs
+        .iter()
+        .map(|(name, shape, bytes)| {
+            TensorView::new(Dtype::F32, shape.clone(), bytes)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| ExitsError::Internal(format!("tensor {name}: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let tmp = sibling(path, ".tmp");
+    let info = HashMap::from([(META_KEY.to_string(), meta)]);
+    safetensors::tensor::serialize_to_file(views, Some(info), &tmp).map_err(|e| {
+        ExitsError::BadHeadsFile {
+            path: tmp.clone(),
+            detail: format!("cannot write: {e}"),
+        }
+    })?;
+    std::fs::rename(&tmp, path).map_err(ExitsError::io(path))
+}
+
+/// Reads a heads file without checking it against a model.
+pub fn load_unchecked(path: &Path, device: &Device) -> Result<ExitHeads> {
+    let bad = |detail: String| ExitsError::BadHeadsFile {
+        path: path.to_path_buf(),
+        detail,
+    };
+    let bytes = std::fs::read(path).map_err(ExitsError::io(path))?;
+    let (_, header) =
+        SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("not safetensors: {e}")))?;
+    let json = header
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get(META_KEY))
+        .ok_or_else(|| {
+            bad(format!(
+                "no {META_KEY:?} metadata: not a Switchyard heads file"
+            ))
+        })?;
+    let value: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| bad(format!("metadata is not JSON: {e}")))?;
+    // Name an unknown head kind before serde's generic enum error would.
+    if let Some(kind) = value
+        .get("heads")
+        .and_then(|h| h.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|h| h.get("kind").and_then(|k| k.as_str()))
+        .find(|k| !matches!(*k, "identity" | "affine"))
+    {
+        return Err(ExitsError::UnsupportedHeadKind {
+            path: path.to_path_buf(),
+            kind: kind.to_string(),
+        });
+    }
+    let meta: HeadsMeta =
+        serde_json::from_value(value).map_err(|e| bad(format!("bad metadata: {e}")))?;
+    if meta.format_version != FORMAT_VERSION {
+        return Err(bad(format!(
+            "format version {} (this build reads {FORMAT_VERSION})",
+            meta.format_version
+        )));
+    }
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("{e}")))?;
+    let d = meta.model.d_model;
+    let load = |name: &str, shape: &[usize]| -> Result<Tensor> {
+        let t = st
+            .tensor(name)
+            .map_err(|_| bad(format!("tensor {name} is missing")))?;
+        if t.dtype() != Dtype::F32 || t.shape() != shape {
+            return Err(bad(format!(
+                "tensor {name} is {:?} {:?}, expected F32 {shape:?}",
+                t.dtype(),
+                t.shape()
+            )));
+        }
+        let v: Vec<f32> = t
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Ok(Tensor::from_vec(v, shape, device)?)
+    };
+    let mut heads = BTreeMap::new();
+    for info in &meta.heads {
+        let head = match info.kind {
+            HeadKind::Identity => ExitHead::Identity,
+            HeadKind::Affine => {
+                let w = load(&weight_name(info.depth), &[d, d])?;
+                ExitHead::Affine {
+                    weight_t: w.t()?.contiguous()?,
+                    bias: load(&bias_name(info.depth), &[d])?,
+                }
+            }
+        };
+        if heads.insert(info.depth, head).is_some() {
+            return Err(bad(format!("two heads at depth {}", info.depth)));
+        }
+    }
+    ExitHeads::new(meta, heads).map_err(|e| bad(e.to_string()))
+}
+
+/// Reads a heads file and checks that it was made for this model file (`fingerprint`) and fits
+/// the loaded `model`.
+pub fn load(path: &Path, model: &LayeredModel, fingerprint: &Fingerprint) -> Result<ExitHeads> {
+    let heads = load_unchecked(path, model.device())?;
+    let m = &heads.meta().model;
+    if !m.sha256.eq_ignore_ascii_case(&fingerprint.sha256) {
+        return Err(ExitsError::StaleHeads {
+            path: path.to_path_buf(),
+            heads_sha256: m.sha256.clone(),
+            model_sha256: fingerprint.sha256.clone(),
+        });
+    }
+    heads
+        .check_fits(model)
+        .map_err(|detail| ExitsError::HeadsMismatch {
+            path: path.to_path_buf(),
+            detail,
+        })?;
+    Ok(heads)
+}

@@ -1,0 +1,246 @@
+//! Exit heads: what turns the hidden state after layers `0..d` into logits, and
+//! [`ExitHeads::logits`], the seam the decoder, the study and the scheduler call.
+//!
+//! A head maps the hidden state at its depth into the final layer's hidden space; the model's
+//! own final norm and LM head finish the job, so a head is small (`d_model²` at most for the
+//! affine kind) and the vocabulary projection is shared with the full-depth path.
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Tensor};
+use serde::{Deserialize, Serialize};
+use switchyard_models::LayeredModel;
+
+use crate::ridge::Affine;
+use crate::{ExitsError, Result};
+
+/// What a head computes before the final norm. Stored in the heads file as a lowercase string;
+/// later kinds (trained `mlp` or `block` heads) are added here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HeadKind {
+    /// The hidden state as it is: the logit lens.
+    Identity,
+    /// `A h + b`: the tuned lens.
+    Affine,
+}
+
+impl HeadKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Identity => "identity",
+            Self::Affine => "affine",
+        }
+    }
+}
+
+/// One exit's head.
+#[derive(Debug, Clone)]
+pub enum ExitHead {
+    Identity,
+    Affine {
+        /// `Aᵀ`, `[d_model, d_model]` f32, so that rows translate as `h · Aᵀ + b`.
+        weight_t: Tensor,
+        /// `[d_model]` f32.
+        bias: Tensor,
+    },
+}
+
+impl ExitHead {
+    pub fn kind(&self) -> HeadKind {
+        match self {
+            Self::Identity => HeadKind::Identity,
+            Self::Affine { .. } => HeadKind::Affine,
+        }
+    }
+
+    /// An affine head from a ridge solution (rounded to f32).
+    pub fn from_affine(a: &Affine, device: &candle_core::Device) -> Result<Self> {
+        let w: Vec<f32> = a.weight.iter().map(|&v| v as f32).collect();
+        let b: Vec<f32> = a.bias.iter().map(|&v| v as f32).collect();
+        let weight = Tensor::from_vec(w, (a.d_out, a.d_in), device)?;
+        Ok(Self::Affine {
+            weight_t: weight.t()?.contiguous()?,
+            bias: Tensor::from_vec(b, a.d_out, device)?,
+        })
+    }
+
+    /// Hidden rows `[rows, d_model]` mapped into the final layer's hidden space.
+    pub fn translate(&self, hidden: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Identity => Ok(hidden.clone()),
+            Self::Affine { weight_t, bias } => {
+                let h = hidden.to_dtype(DType::F32)?;
+                Ok(h.matmul(weight_t)?.broadcast_add(bias)?)
+            }
+        }
+    }
+}
+
+/// Who the heads were made for and how; stored as JSON in the heads file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HeadsMeta {
+    pub format_version: u32,
+    pub model: ModelRef,
+    /// One entry per head, by increasing depth.
+    pub heads: Vec<HeadInfo>,
+    /// Absent for heads not made by `switchyard calibrate` (identity heads, imported heads).
+    pub calibration: Option<CalibrationInfo>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelRef {
+    /// The name the model was given by (zoo name or path).
+    pub name: String,
+    /// SHA-256 of the model file (or folder, see [`crate::fingerprint`]).
+    pub sha256: String,
+    pub bytes: u64,
+    pub architecture: String,
+    pub n_layers: usize,
+    pub d_model: usize,
+    pub vocab_size: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HeadInfo {
+    /// Layers run before the head: the head reads the output of layer `depth - 1`.
+    pub depth: usize,
+    pub kind: HeadKind,
+    /// Relative ridge `λ` (affine heads made by calibration).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lambda_rel: Option<f64>,
+    /// Fraction of the final hidden state's variance explained on the λ-validation split.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation_r2: Option<f64>,
+    /// The same for the identity map (the logit lens), for comparison.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub validation_r2_identity: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CalibrationInfo {
+    /// `sharegpt` or a file path.
+    pub corpus: String,
+    /// Rows (token positions) the statistics were accumulated over.
+    pub tokens: u64,
+    pub sequences: usize,
+    /// Most tokens taken from one conversation or text chunk.
+    pub max_sequence_tokens: usize,
+    /// Which documents were held out for evaluation and validation.
+    pub held_out: String,
+    /// Relative `λ` candidates tried per head.
+    pub lambda_candidates: Vec<f64>,
+    pub seconds: f64,
+    pub created_unix: u64,
+}
+
+/// The exit heads of one model, by depth.
+#[derive(Debug, Clone)]
+pub struct ExitHeads {
+    meta: HeadsMeta,
+    heads: BTreeMap<usize, ExitHead>,
+}
+
+/// Current [`HeadsMeta::format_version`].
+pub const FORMAT_VERSION: u32 = 1;
+
+impl ExitHeads {
+    /// Heads with their metadata; the metadata's head list is rebuilt from `heads`.
+    pub fn new(mut meta: HeadsMeta, heads: BTreeMap<usize, ExitHead>) -> Result<Self> {
+        let known: BTreeMap<usize, HeadInfo> = meta.heads.drain(..).map(|h| (h.depth, h)).collect();
+        meta.heads = heads
+            .iter()
+            .map(|(&depth, h)| match known.get(&depth) {
+                Some(info) if info.kind == h.kind() => info.clone(),
+                _ => HeadInfo {
+                    depth,
+                    kind: h.kind(),
+                    lambda_rel: None,
+                    validation_r2: None,
+                    validation_r2_identity: None,
+                },
+            })
+            .collect();
+        let n_layers = meta.model.n_layers;
+        if let Some(&depth) = heads.keys().find(|&&d| d == 0 || d >= n_layers) {
+            return Err(ExitsError::BadDepth {
+                depth,
+                max: n_layers.saturating_sub(1),
+                n_layers,
+            });
+        }
+        Ok(Self { meta, heads })
+    }
+
+    /// Identity heads (the logit lens) at `depths` of `model`.
+    pub fn logit_lens(model: &LayeredModel, name: &str, depths: &[usize]) -> Result<Self> {
+        let heads = depths.iter().map(|&d| (d, ExitHead::Identity)).collect();
+        Self::new(
+            HeadsMeta {
+                format_version: FORMAT_VERSION,
+                model: model_ref(model, name, String::new(), 0),
+                heads: Vec::new(),
+                calibration: None,
+            },
+            heads,
+        )
+    }
+
+    pub fn meta(&self) -> &HeadsMeta {
+        &self.meta
+    }
+
+    /// Depths with a head, increasing.
+    pub fn depths(&self) -> Vec<usize> {
+        self.heads.keys().copied().collect()
+    }
+
+    pub fn head(&self, depth: usize) -> Result<&ExitHead> {
+        self.heads.get(&depth).ok_or_else(|| ExitsError::NoHead {
+            depth,
+            available: self.depths(),
+        })
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (usize, &ExitHead)> {
+        self.heads.iter().map(|(&d, h)| (d, h))
+    }
+
+    /// Logits `[rows, vocab]` of hidden rows taken after layers `0..depth`: the head, then the
+    /// model's final norm and LM head. At `depth == n_layers` this is the model's own output.
+    pub fn logits(&self, model: &LayeredModel, depth: usize, hidden: &Tensor) -> Result<Tensor> {
+        let _span = tracing::trace_span!("exit_logits", depth).entered();
+        if depth == model.n_layers() {
+            return Ok(model.logits(hidden)?);
+        }
+        let h = self.head(depth)?.translate(hidden)?;
+        Ok(model.lm_head(&model.final_norm(&h)?)?)
+    }
+
+    /// Checks that these heads fit `model` (layer count, width, vocabulary).
+    pub fn check_fits(&self, model: &LayeredModel) -> std::result::Result<(), String> {
+        let m = &self.meta.model;
+        let s = model.spec();
+        if m.n_layers != s.n_layers || m.d_model != s.d_model || m.vocab_size != s.vocab_size {
+            return Err(format!(
+                "heads are for {} layers, d_model {}, vocab {}; the model has {}, {}, {}",
+                m.n_layers, m.d_model, m.vocab_size, s.n_layers, s.d_model, s.vocab_size
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The [`ModelRef`] of a loaded model.
+pub fn model_ref(model: &LayeredModel, name: &str, sha256: String, bytes: u64) -> ModelRef {
+    let s = model.spec();
+    ModelRef {
+        name: name.to_string(),
+        sha256,
+        bytes,
+        architecture: s.architecture.as_str().to_string(),
+        n_layers: s.n_layers,
+        d_model: s.d_model,
+        vocab_size: s.vocab_size,
+    }
+}

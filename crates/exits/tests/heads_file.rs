@@ -1,0 +1,145 @@
+//! The heads file on a synthetic model: round trip, and refusal of stale, mismatched and
+//! unknown-kind files.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{Device, Tensor};
+use switchyard_exits::file::{self, META_KEY};
+use switchyard_exits::fingerprint::Fingerprint;
+use switchyard_exits::heads::{model_ref, HeadsMeta, FORMAT_VERSION};
+use switchyard_exits::ridge::Affine;
+use switchyard_exits::{ExitHead, ExitHeads, ExitsError};
+use switchyard_models::{LayeredModel, LoadOptions};
+use switchyard_weights::{Architecture, SyntheticSource, WeightSource};
+
+fn synthetic(arch: Architecture) -> LayeredModel {
+    let spec = SyntheticSource::tiny_spec(arch);
+    let src: Arc<dyn WeightSource> =
+        Arc::new(SyntheticSource::new(spec, 3, GgmlDType::F32).unwrap());
+    LayeredModel::load(src, &LoadOptions::default()).unwrap()
+}
+
+fn heads_for(m: &LayeredModel, sha: &str) -> ExitHeads {
+    let d = m.spec().d_model;
+    let affine = Affine {
+        d_in: d,
+        d_out: d,
+        weight: (0..d * d)
+            .map(|i| ((i * 7 % 13) as f64 - 6.0) / 20.0)
+            .collect(),
+        bias: (0..d).map(|i| i as f64 / 100.0).collect(),
+        lambda_rel: 0.1,
+    };
+    let mut heads = BTreeMap::new();
+    heads.insert(1, ExitHead::from_affine(&affine, &Device::Cpu).unwrap());
+    heads.insert(2, ExitHead::Identity);
+    let meta = HeadsMeta {
+        format_version: FORMAT_VERSION,
+        model: model_ref(m, "tiny", sha.to_string(), 123),
+        heads: Vec::new(),
+        calibration: None,
+    };
+    ExitHeads::new(meta, heads).unwrap()
+}
+
+fn fp(sha: &str) -> Fingerprint {
+    Fingerprint {
+        sha256: sha.into(),
+        bytes: 123,
+    }
+}
+
+#[test]
+fn heads_round_trip_and_stale_or_mismatched_files_are_refused() -> anyhow::Result<()> {
+    let m = synthetic(Architecture::Llama);
+    let heads = heads_for(&m, "aa11");
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("tiny.gguf.exits.safetensors");
+    file::save(&heads, &path)?;
+    let back = file::load(&path, &m, &fp("AA11"))?;
+    assert_eq!(back.depths(), vec![1, 2]);
+    assert_eq!(back.meta(), heads.meta());
+    let x = m.embed(&[1, 2, 3])?;
+    for d in [1, 2] {
+        let a = heads.logits(&m, d, &x)?.to_vec2::<f32>()?;
+        let b = back.logits(&m, d, &x)?.to_vec2::<f32>()?;
+        assert_eq!(a, b, "depth {d}");
+    }
+    // Identity heads are the logit lens; at full depth any heads give the model's output.
+    let lens = m.logits(&x)?.to_vec2::<f32>()?;
+    assert_eq!(back.logits(&m, 2, &x)?.to_vec2::<f32>()?, lens);
+    assert_eq!(back.logits(&m, m.n_layers(), &x)?.to_vec2::<f32>()?, lens);
+    assert!(matches!(
+        back.logits(&m, 3, &x),
+        Err(ExitsError::NoHead { depth: 3, .. })
+    ));
+
+    match file::load(&path, &m, &fp("bb22")) {
+        Err(e @ ExitsError::StaleHeads { .. }) => {
+            assert!(e.to_string().contains("switchyard calibrate"), "{e}")
+        }
+        other => panic!("expected StaleHeads, got {other:?}"),
+    }
+    // Same hash, different shape (a file and heads that disagree): refused, not misapplied.
+    let mut spec = SyntheticSource::tiny_spec(Architecture::Llama);
+    spec.n_layers += 1;
+    let src: Arc<dyn WeightSource> = Arc::new(SyntheticSource::new(spec, 3, GgmlDType::F32)?);
+    let deeper = LayeredModel::load(src, &LoadOptions::default())?;
+    match file::load(&path, &deeper, &fp("aa11")) {
+        Err(ExitsError::HeadsMismatch { detail, .. }) => assert!(detail.contains("layers")),
+        other => panic!("expected HeadsMismatch, got {other:?}"),
+    }
+    Ok(())
+}
+
+#[test]
+fn unknown_head_kinds_and_foreign_files_are_named() -> anyhow::Result<()> {
+    let m = synthetic(Architecture::Qwen2);
+    let dir = tempfile::tempdir()?;
+    let heads = heads_for(&m, "aa11");
+    let mut meta = serde_json::to_value(heads.meta())?;
+    meta["heads"][0]["kind"] = "mlp".into();
+    let path = dir.path().join("mlp.safetensors");
+    let info = HashMap::from([(META_KEY.to_string(), meta.to_string())]);
+    let empty: Vec<(String, safetensors::tensor::TensorView<'_>)> = Vec::new();
+    safetensors::tensor::serialize_to_file(empty, Some(info), &path)?;
+    match file::load_unchecked(&path, &Device::Cpu) {
+        Err(ExitsError::UnsupportedHeadKind { kind, .. }) => assert_eq!(kind, "mlp"),
+        other => panic!("expected UnsupportedHeadKind, got {other:?}"),
+    }
+
+    // A safetensors file without our metadata, and a file that is not safetensors at all.
+    let plain = dir.path().join("plain.safetensors");
+    let t = Tensor::zeros(2, candle_core::DType::F32, &Device::Cpu)?;
+    candle_core::safetensors::save(&HashMap::from([("x".to_string(), t)]), &plain)?;
+    let junk = dir.path().join("junk.safetensors");
+    std::fs::write(&junk, b"not a safetensors file")?;
+    for p in [&plain, &junk] {
+        assert!(matches!(
+            file::load_unchecked(p, &Device::Cpu),
+            Err(ExitsError::BadHeadsFile { .. })
+        ));
+    }
+    // A missing weight tensor is named.
+    let meta = serde_json::to_value(heads.meta())?;
+    file::save(&heads, &path)?;
+    let bytes = std::fs::read(&path)?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)?;
+    let tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| !n.ends_with("weight"))
+        .collect();
+    let info = HashMap::from([(META_KEY.to_string(), meta.to_string())]);
+    let broken = dir.path().join("broken.safetensors");
+    safetensors::tensor::serialize_to_file(tensors, Some(info), &broken)?;
+    match file::load_unchecked(&broken, &Device::Cpu) {
+        Err(ExitsError::BadHeadsFile { detail, .. }) => {
+            assert!(detail.contains("exit.1.weight"), "{detail}")
+        }
+        other => panic!("expected BadHeadsFile, got {other:?}"),
+    }
+    Ok(())
+}

@@ -1,0 +1,240 @@
+//! The server's TOML configuration. Unknown keys are errors, so a typo never silently falls
+//! back to a default.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+/// vLLM's default port.
+pub const DEFAULT_PORT: u16 = 8000;
+pub const DEFAULT_HOST: &str = "127.0.0.1";
+/// Request bodies above this are refused with 413 (1 MiB holds ~250k tokens of text).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 1 << 20;
+/// Requests admitted per model (running + queued); more get 429.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 256;
+/// A request running longer than this is aborted (10 minutes).
+pub const DEFAULT_REQUEST_TIMEOUT_S: u64 = 600;
+/// How long SIGINT/SIGTERM waits for running requests before exiting.
+pub const DEFAULT_SHUTDOWN_GRACE_S: u64 = 30;
+/// How often remote backends are health-checked.
+pub const DEFAULT_HEALTH_INTERVAL_S: u64 = 10;
+/// Most stop strings a request may carry.
+pub const MAX_STOP: usize = switchyard_request::MAX_STOP_STRINGS;
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub server: ServerSection,
+    #[serde(default)]
+    pub models: Vec<ModelSection>,
+    #[serde(default)]
+    pub backends: Vec<BackendSection>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerSection {
+    pub host: String,
+    pub port: u16,
+    /// Bearer keys accepted on `/v1` and `/admin` (none: open).
+    pub api_keys: Vec<String>,
+    /// Serve the `/admin` routes.
+    pub admin: bool,
+    pub max_body_bytes: usize,
+    pub max_in_flight: usize,
+    pub request_timeout_s: u64,
+    pub shutdown_grace_s: u64,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        Self {
+            host: DEFAULT_HOST.into(),
+            port: DEFAULT_PORT,
+            api_keys: Vec::new(),
+            admin: false,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            request_timeout_s: DEFAULT_REQUEST_TIMEOUT_S,
+            shutdown_grace_s: DEFAULT_SHUTDOWN_GRACE_S,
+        }
+    }
+}
+
+/// A model served by a local engine.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// The name clients ask for.
+    pub name: String,
+    /// Zoo name, GGUF file or Hugging Face folder (default: `name`).
+    pub path: Option<String>,
+    /// e.g. "2GiB" (default: the engine's).
+    pub memory_budget: Option<String>,
+    pub max_batched_tokens: Option<usize>,
+    pub max_num_seqs: Option<usize>,
+    pub prefix_caching: Option<bool>,
+    pub chunked_prefill: Option<bool>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// Any OpenAI-compatible server (vLLM, SGLang, llama.cpp's server, another Switchyard).
+    Openai,
+}
+
+/// A model served by a remote OpenAI-compatible server.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BackendSection {
+    pub kind: BackendKind,
+    /// The name clients ask for here.
+    pub name: String,
+    /// Base URL, e.g. "http://10.0.0.7:8000" (the `/v1/...` paths are appended).
+    pub url: String,
+    /// The model name on the remote server (default: `name`).
+    pub model: Option<String>,
+    pub api_key: Option<String>,
+    pub timeout_s: Option<u64>,
+    pub health_interval_s: Option<u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse {
+        path: std::path::PathBuf,
+        message: String,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse {
+                path: path.to_path_buf(),
+                message,
+            },
+            other => other,
+        })
+    }
+
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: "<config>".into(),
+            message: e.to_string(),
+        })?;
+        cfg.check()?;
+        Ok(cfg)
+    }
+
+    /// The default model from the zoo on localhost: what `switchyard serve` runs with no config.
+    pub fn default_model() -> Self {
+        Self {
+            server: ServerSection::default(),
+            models: vec![ModelSection {
+                name: switchyard_zoo::DEFAULT_MODEL.into(),
+                path: None,
+                memory_budget: None,
+                max_batched_tokens: None,
+                max_num_seqs: None,
+                prefix_caching: None,
+                chunked_prefill: None,
+            }],
+            backends: Vec::new(),
+        }
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        let mut names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+        names.extend(self.backends.iter().map(|b| b.name.as_str()));
+        if names.is_empty() {
+            return Err(ConfigError::Invalid(
+                "the configuration serves no model: add a [[models]] or [[backends]] entry".into(),
+            ));
+        }
+        let mut sorted = names.clone();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(ConfigError::Invalid(format!(
+                "model name {:?} is served twice",
+                w[0]
+            )));
+        }
+        if let Some(b) = self
+            .backends
+            .iter()
+            .find(|b| !(b.url.starts_with("http://") || b.url.starts_with("https://")))
+        {
+            return Err(ConfigError::Invalid(format!(
+                "backend {:?}: url {:?} must start with http:// or https://",
+                b.name, b.url
+            )));
+        }
+        if self.server.max_in_flight == 0 || self.server.max_body_bytes == 0 {
+            return Err(ConfigError::Invalid(
+                "server.max_in_flight and server.max_body_bytes must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_refuses_unknown_keys() {
+        let cfg = Config::parse(
+            r#"
+            [server]
+            port = 9000
+            api_keys = ["k1"]
+            [[models]]
+            name = "smollm2-135m-instruct"
+            memory_budget = "1GiB"
+            [[backends]]
+            kind = "openai"
+            name = "remote"
+            url = "http://127.0.0.1:9001"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(cfg.server.port, 9000);
+        assert_eq!(cfg.server.host, DEFAULT_HOST);
+        assert_eq!(cfg.models[0].memory_budget.as_deref(), Some("1GiB"));
+        assert_eq!(cfg.backends[0].kind, BackendKind::Openai);
+
+        let err = Config::parse("[server]\nprot = 1\n[[models]]\nname = \"m\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown field `prot`"), "{err}");
+        let err = Config::parse("[server]\nport = 1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("serves no model"), "{err}");
+        let err = Config::parse("[[models]]\nname = \"m\"\n[[models]]\nname = \"m\"\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "model name \"m\" is served twice");
+        let err =
+            Config::parse("[[backends]]\nkind = \"openai\"\nname = \"r\"\nurl = \"ftp://x\"\n")
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("must start with http://"), "{err}");
+    }
+}

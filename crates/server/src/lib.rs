@@ -1,0 +1,177 @@
+//! The OpenAI-compatible HTTP server: `/v1/completions`, `/v1/chat/completions` (streamed with
+//! server-sent events or not), `/v1/models`, `/health`, `/metrics`, and `/admin` routes, in
+//! front of local engines and remote OpenAI-compatible backends.
+//!
+//! Architecture invariant: only this crate knows about HTTP. Requests are validated once, at
+//! the edge ([`validate`]), into types the rest of the program trusts; failures become status
+//! codes and OpenAI error objects in one place ([`error`]).
+
+pub mod api;
+pub mod auth;
+pub mod config;
+pub mod error;
+pub mod local;
+pub mod metrics;
+pub mod remote;
+pub mod routes;
+pub mod state;
+pub mod validate;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::{get, post};
+use axum::Router;
+
+use config::Config;
+use local::LocalModel;
+use remote::RemoteModel;
+use state::{AppState, Served};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    #[error(transparent)]
+    Zoo(#[from] switchyard_zoo::ZooError),
+    #[error(transparent)]
+    Weights(#[from] switchyard_weights::WeightsError),
+    #[error(transparent)]
+    Tokenizer(#[from] switchyard_tokenizer::TokenizerError),
+    #[error(transparent)]
+    Model(#[from] switchyard_models::ModelError),
+    #[error(transparent)]
+    Engine(#[from] switchyard_engine::EngineError),
+    #[error("backend {name}: {detail}")]
+    Backend { name: String, detail: String },
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("server error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Builds the router over a ready state.
+pub fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/completions", post(routes::completions))
+        .route("/v1/chat/completions", post(routes::chat))
+        .route("/v1/models", get(routes::models));
+    let mut protected = v1;
+    if state.config.admin {
+        protected = protected
+            .route("/admin/stats", get(routes::admin_stats))
+            .route("/admin/depth", post(routes::admin_depth));
+    }
+    let protected = protected.route_layer(axum::middleware::from_fn_with_state(
+        state.clone(),
+        auth::require_key,
+    ));
+    Router::new()
+        .merge(protected)
+        .route("/health", get(routes::health))
+        .route("/metrics", get(routes::metrics))
+        .with_state(state)
+}
+
+/// Starts every configured engine and backend.
+pub async fn build_state(cfg: &Config) -> Result<Arc<AppState>, ServerError> {
+    let mut models = BTreeMap::new();
+    for section in &cfg.models {
+        let s = section.clone();
+        let m = tokio::task::spawn_blocking(move || LocalModel::start(&s))
+            .await
+            .map_err(|e| ServerError::Io(std::io::Error::other(e.to_string())))??;
+        tracing::info!(model = %m.name, "engine started");
+        models.insert(section.name.clone(), Served::Local(Arc::new(m)));
+    }
+    for b in &cfg.backends {
+        let r = Arc::new(RemoteModel::new(b).map_err(|e| ServerError::Backend {
+            name: b.name.clone(),
+            detail: e.to_string(),
+        })?);
+        tokio::spawn(Arc::clone(&r).health_loop());
+        models.insert(b.name.clone(), Served::Remote(r));
+    }
+    Ok(Arc::new(AppState {
+        models,
+        config: cfg.server.clone(),
+        metrics: metrics::Metrics::new(),
+        shutting_down: false.into(),
+    }))
+}
+
+/// Serves until SIGINT or SIGTERM, then stops accepting, lets running requests finish for up
+/// to `shutdown_grace_s`, stops the engines and returns. `on_ready` gets the bound address.
+pub async fn serve(
+    cfg: Config,
+    on_ready: impl FnOnce(SocketAddr) + Send,
+) -> Result<(), ServerError> {
+    let state = build_state(&cfg).await?;
+    let addr = format!("{}:{}", cfg.server.host, cfg.server.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|source| ServerError::Bind {
+            addr: addr.clone(),
+            source,
+        })?;
+    let local = listener.local_addr()?;
+    on_ready(local);
+    let app = router(state.clone());
+    let grace = Duration::from_secs(cfg.server.shutdown_grace_s);
+    let st = state.clone();
+    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down: draining running requests");
+        st.shutting_down.store(true, Ordering::SeqCst);
+        let _ = signalled_tx.send(());
+    };
+    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown);
+    let server = async move { server.await.map_err(ServerError::Io) };
+    tokio::pin!(server);
+    tokio::select! {
+        r = &mut server => r?,
+        _ = async {
+            let _ = signalled_rx.await;
+            tokio::time::sleep(grace).await;
+        } => {
+            tracing::warn!("grace period of {} s over; exiting with requests still running", grace.as_secs());
+        }
+    }
+    for s in state.models.values() {
+        if let Served::Local(m) = s {
+            let _ = m.handle.shutdown().recv().await;
+        }
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

@@ -1,0 +1,185 @@
+//! A model served by a local engine: start-up, request preparation (tokenizing, context
+//! checks), admission, and turning engine outputs into OpenAI responses and stream chunks.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use switchyard_engine::{EngineConfig, EngineHandle, EngineInfo, EngineRequest, RequestOutput};
+use switchyard_models::{LayeredModel, LoadOptions};
+use switchyard_request::FinishReason;
+use switchyard_tokenizer::Tokenizer;
+
+use crate::config::ModelSection;
+use crate::error::ApiError;
+use crate::validate::{Prompt, ValidRequest};
+use crate::ServerError;
+
+pub struct LocalModel {
+    pub name: String,
+    pub handle: EngineHandle,
+    pub info: EngineInfo,
+    in_flight: AtomicUsize,
+}
+
+/// Counts a request as in flight until dropped.
+pub struct Admission {
+    model: Arc<LocalModel>,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.model.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl LocalModel {
+    /// Loads the model and starts its engine thread (blocking: run off the async runtime).
+    pub fn start(section: &ModelSection) -> Result<Self, ServerError> {
+        let path = switchyard_zoo::resolve_model(section.path.as_deref().unwrap_or(&section.name))?;
+        let source = switchyard_weights::open(&path)?;
+        let tokenizer = Arc::new(Tokenizer::from_source(&*source)?);
+        let model = LayeredModel::load(Arc::clone(&source), &LoadOptions::default())?;
+        let mut cfg = EngineConfig::default();
+        if let Some(b) = &section.memory_budget {
+            cfg.memory_budget = switchyard_engine::kv::budget::parse_bytes(b)
+                .map_err(|e| ServerError::Engine(e.into()))?;
+        }
+        if let Some(n) = section.max_batched_tokens {
+            cfg.scheduler.max_batched_tokens = n;
+        }
+        if let Some(n) = section.max_num_seqs {
+            cfg.scheduler.max_num_seqs = n;
+        }
+        if let Some(p) = section.prefix_caching {
+            cfg.scheduler.prefix_caching = p;
+        }
+        if let Some(c) = section.chunked_prefill {
+            cfg.scheduler.chunked_prefill = c;
+        }
+        let handle = EngineHandle::start(model, tokenizer, cfg, &section.name)?;
+        let info = handle.info().clone();
+        Ok(Self {
+            name: section.name.clone(),
+            handle,
+            info,
+            in_flight: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Reserves a place, or says the server is at capacity (429).
+    pub fn admit(self: &Arc<Self>, limit: usize) -> Result<Admission, ApiError> {
+        let prev = self.in_flight.fetch_add(1, Ordering::SeqCst);
+        if prev >= limit {
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            return Err(ApiError::Overloaded(prev));
+        }
+        Ok(Admission {
+            model: Arc::clone(self),
+        })
+    }
+
+    /// Tokenizes the prompt (chat template for chat), fills in `max_tokens`, and checks that
+    /// prompt and output fit the context.
+    pub fn prepare(&self, req: &ValidRequest) -> Result<EngineRequest, ApiError> {
+        let tok = &self.info.tokenizer;
+        let context = self.info.context_length;
+        let prompt = match &req.prompt {
+            Prompt::Text(t) => tok
+                .encode(t, true, true)
+                .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+            Prompt::Tokens(ids) => {
+                if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.info.vocab_size) {
+                    return Err(ApiError::invalid(
+                        "prompt",
+                        format!(
+                            "token id {bad} is outside the vocabulary of {}",
+                            self.info.vocab_size
+                        ),
+                    ));
+                }
+                ids.clone()
+            }
+            Prompt::Chat(messages) => {
+                let text = tok
+                    .apply_chat_template(messages, true)
+                    .map_err(|e| ApiError::unsupported("messages", e.to_string()))?;
+                let has_bos = tok
+                    .bos_id()
+                    .and_then(|b| tok.id_to_piece(b))
+                    .is_some_and(|b| text.starts_with(&b));
+                tok.encode(&text, !has_bos, true)
+                    .map_err(|e| ApiError::invalid("messages", e.to_string()))?
+            }
+        };
+        if prompt.is_empty() {
+            return Err(ApiError::ContextLength("the prompt is empty".into()));
+        }
+        if prompt.len() >= context {
+            return Err(ApiError::ContextLength(format!(
+                "this model's maximum context length is {context} tokens, but the prompt has {} tokens",
+                prompt.len()
+            )));
+        }
+        let room = context - prompt.len();
+        let max_tokens = match req.max_tokens {
+            Some(m) if m > room => {
+                return Err(ApiError::ContextLength(format!(
+                    "this model's maximum context length is {context} tokens; you requested {} tokens ({} in the prompt, {m} for the completion)",
+                    prompt.len() + m,
+                    prompt.len()
+                )))
+            }
+            Some(m) => m,
+            None => room,
+        };
+        let mut params = req.params.clone();
+        params.max_tokens = max_tokens;
+        Ok(EngineRequest { prompt, params })
+    }
+
+    /// Text of one token for log-probability listings.
+    pub fn piece(&self, id: u32) -> String {
+        self.info.tokenizer.decode(&[id], false).unwrap_or_default()
+    }
+}
+
+pub fn finish_str(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Abort => "abort",
+    }
+}
+
+/// What a finished request reports to metrics.
+pub struct Finished {
+    pub prompt_tokens: usize,
+    pub output_tokens: usize,
+    pub cached_tokens: usize,
+    pub ttft_s: Option<f64>,
+    pub e2e_s: f64,
+}
+
+impl Finished {
+    pub fn from_output(o: &RequestOutput) -> Self {
+        Self {
+            prompt_tokens: o.prompt_tokens,
+            output_tokens: o.output_tokens,
+            cached_tokens: o.cached_tokens,
+            ttft_s: o
+                .first_token_at
+                .map(|t| t.duration_since(o.arrival).as_secs_f64()),
+            e2e_s: o.at.duration_since(o.arrival).as_secs_f64(),
+        }
+    }
+
+    /// Mean seconds per output token after the first.
+    pub fn tpot_s(&self) -> Option<f64> {
+        let ttft = self.ttft_s?;
+        (self.output_tokens > 1).then(|| (self.e2e_s - ttft) / (self.output_tokens - 1) as f64)
+    }
+}

@@ -1,0 +1,590 @@
+//! HTTP handlers: the OpenAI endpoints, health, metrics and admin routes.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::stream::{self, Stream};
+use serde_json::{json, Value};
+use switchyard_engine::{RequestOutput, RequestStream};
+
+use crate::api::{
+    now_secs, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessageOut,
+    ChatResponse, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
+    ModelCard, ModelList, Usage,
+};
+use crate::error::ApiError;
+use crate::local::{finish_str, Admission, Finished, LocalModel};
+use crate::state::{AppState, Served};
+use crate::validate::{self, Endpoint, ValidRequest};
+
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    generate(state, Endpoint::Completions, headers, body).await
+}
+
+pub async fn chat(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    generate(state, Endpoint::Chat, headers, body).await
+}
+
+async fn generate(
+    state: Arc<AppState>,
+    endpoint: Endpoint,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let (model, result) = match generate_inner(&state, endpoint, &headers, body).await {
+        Ok((model, resp)) => (model, Ok(resp)),
+        Err((model, e)) => (model, Err(e)),
+    };
+    let resp = result.unwrap_or_else(IntoResponse::into_response);
+    state
+        .metrics
+        .requests
+        .with_label_values(&[&model, endpoint.label(), resp.status().as_str()])
+        .inc();
+    resp
+}
+
+type Failure = (String, ApiError);
+
+async fn generate_inner(
+    state: &Arc<AppState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(String, Response), Failure> {
+    let unknown = || "-".to_string();
+    if state.shutting_down.load(Ordering::SeqCst) {
+        return Err((unknown(), ApiError::ShuttingDown));
+    }
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if !ct.to_ascii_lowercase().starts_with("application/json") {
+        return Err((unknown(), ApiError::ContentType(ct.to_string())));
+    }
+    let limit = state.config.max_body_bytes;
+    let bytes = axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|_| (unknown(), ApiError::TooLarge { limit }))?;
+    let req = validate::parse(endpoint, &bytes).map_err(|e| (unknown(), e))?;
+    let name = req.model.clone();
+    let served = state
+        .models
+        .get(&name)
+        .cloned()
+        .ok_or_else(|| (unknown(), ApiError::UnknownModel(name.clone())))?;
+    let fail = |e: ApiError| (name.clone(), e);
+    match served {
+        Served::Local(m) => {
+            let engine_req = m.prepare(&req).map_err(fail)?;
+            let admission = m.admit(state.config.max_in_flight).map_err(fail)?;
+            let stream = m
+                .handle
+                .add_request(engine_req)
+                .map_err(|e| fail(e.into()))?;
+            let timeout = Duration::from_secs(state.config.request_timeout_s);
+            let resp = if req.stream {
+                stream_response(state.clone(), m, req, stream, admission, timeout)
+            } else {
+                full_response(state, &m, &req, stream, admission, timeout)
+                    .await
+                    .map_err(fail)?
+            };
+            Ok((name, resp))
+        }
+        Served::Remote(r) => {
+            let admission = r.admit(state.config.max_in_flight).map_err(fail)?;
+            let resp = r.forward(&req, admission).await.map_err(fail)?;
+            Ok((name, resp))
+        }
+    }
+}
+
+fn record(state: &AppState, model: &str, f: &Finished) {
+    let m = &state.metrics;
+    m.prompt_tokens
+        .with_label_values(&[model])
+        .inc_by(f.prompt_tokens as u64);
+    m.generation_tokens
+        .with_label_values(&[model])
+        .inc_by(f.output_tokens as u64);
+    if let Some(t) = f.ttft_s {
+        m.ttft.with_label_values(&[model]).observe(t);
+    }
+    if let Some(t) = f.tpot_s() {
+        m.tpot.with_label_values(&[model]).observe(t);
+    }
+    m.e2e.with_label_values(&[model]).observe(f.e2e_s);
+}
+
+/// Collects the whole answer, then responds once.
+async fn full_response(
+    state: &Arc<AppState>,
+    model: &Arc<LocalModel>,
+    req: &ValidRequest,
+    mut stream: RequestStream,
+    _admission: Admission,
+    timeout: Duration,
+) -> Result<Response, ApiError> {
+    let id = format!("{}-{}", prefix(req.endpoint), stream.id());
+    let mut outputs: Vec<RequestOutput> = Vec::new();
+    let collect = async {
+        while let Some(o) = stream.next().await {
+            let o = o.map_err(ApiError::from)?;
+            let last = o.finish_reason.is_some();
+            outputs.push(o);
+            if last {
+                return Ok(());
+            }
+        }
+        Err(ApiError::ShuttingDown)
+    };
+    match tokio::time::timeout(timeout, collect).await {
+        Ok(r) => r?,
+        Err(_) => {
+            state
+                .metrics
+                .aborted
+                .with_label_values(&[&model.name, "timeout"])
+                .inc();
+            return Err(ApiError::Timeout(timeout.as_secs()));
+        }
+    }
+    let last = outputs
+        .last()
+        .ok_or_else(|| ApiError::Internal("the engine returned no output".into()))?;
+    let finished = Finished::from_output(last);
+    record(state, &model.name, &finished);
+    let finish = last.finish_reason.map(finish_str).map(str::to_string);
+    let text: String = outputs.iter().map(|o| o.text.as_str()).collect();
+    let ids: Vec<u32> = outputs
+        .iter()
+        .flat_map(|o| o.token_ids.iter().copied())
+        .collect();
+    let lps: Vec<f32> = outputs
+        .iter()
+        .flat_map(|o| o.logprobs.iter().copied())
+        .collect();
+    let usage = Usage::new(
+        finished.prompt_tokens,
+        finished.output_tokens,
+        finished.cached_tokens,
+    );
+    let created = now_secs();
+    let resp = match req.endpoint {
+        Endpoint::Completions => Json(CompletionResponse {
+            id,
+            object: "text_completion".into(),
+            created,
+            model: req.model.clone(),
+            choices: vec![CompletionChoice {
+                index: 0,
+                text,
+                logprobs: req
+                    .logprobs
+                    .then(|| completion_logprobs(model, &ids, &lps, 0)),
+                finish_reason: finish,
+            }],
+            usage: Some(usage),
+        })
+        .into_response(),
+        Endpoint::Chat => Json(ChatResponse {
+            id,
+            object: "chat.completion".into(),
+            created,
+            model: req.model.clone(),
+            choices: vec![ChatChoice {
+                index: 0,
+                message: ChatMessageOut {
+                    role: "assistant".into(),
+                    content: text,
+                },
+                logprobs: req.logprobs.then(|| chat_logprobs(model, &ids, &lps)),
+                finish_reason: finish,
+            }],
+            usage,
+        })
+        .into_response(),
+    };
+    Ok(resp)
+}
+
+/// `cmpl-`/`chatcmpl-` plus a per-process tag, so ids stay unique across restarts.
+fn prefix(e: Endpoint) -> String {
+    static TAG: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let tag = TAG.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        format!("{:x}{:x}", nanos & 0xffff_ffff, std::process::id())
+    });
+    match e {
+        Endpoint::Completions => format!("cmpl-{tag}"),
+        Endpoint::Chat => format!("chatcmpl-{tag}"),
+    }
+}
+
+fn completion_logprobs(
+    model: &LocalModel,
+    ids: &[u32],
+    lps: &[f32],
+    offset: usize,
+) -> CompletionLogprobs {
+    let mut out = CompletionLogprobs::default();
+    let mut at = offset;
+    for (&id, &lp) in ids.iter().zip(lps) {
+        let piece = model.piece(id);
+        let mut top = serde_json::Map::new();
+        top.insert(piece.clone(), json!(lp));
+        out.text_offset.push(at);
+        at += piece.len();
+        out.tokens.push(piece);
+        out.token_logprobs.push(lp);
+        out.top_logprobs.push(top);
+    }
+    out
+}
+
+fn chat_logprobs(model: &LocalModel, ids: &[u32], lps: &[f32]) -> ChatLogprobs {
+    ChatLogprobs {
+        content: ids
+            .iter()
+            .zip(lps)
+            .map(|(&id, &lp)| {
+                let token = model.piece(id);
+                ChatTokenLogprob {
+                    bytes: token.as_bytes().to_vec(),
+                    token,
+                    logprob: lp,
+                    top_logprobs: Vec::new(),
+                }
+            })
+            .collect(),
+    }
+}
+
+/// State of one server-sent-event stream. Dropping it before the end (the client went away)
+/// drops the engine stream, which aborts the request and frees its KV blocks.
+struct StreamState {
+    state: Arc<AppState>,
+    model: Arc<LocalModel>,
+    req: ValidRequest,
+    stream: RequestStream,
+    _admission: Admission,
+    deadline: tokio::time::Instant,
+    id: String,
+    created: u64,
+    sent_role: bool,
+    /// Text bytes sent so far (completion log-probability offsets).
+    offset: usize,
+    /// Events left to send after the last token: usage, [DONE].
+    tail: Vec<Event>,
+    finished: bool,
+}
+
+impl Drop for StreamState {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.state
+                .metrics
+                .aborted
+                .with_label_values(&[&self.model.name, "client_disconnect"])
+                .inc();
+        }
+    }
+}
+
+fn stream_response(
+    state: Arc<AppState>,
+    model: Arc<LocalModel>,
+    req: ValidRequest,
+    stream: RequestStream,
+    admission: Admission,
+    timeout: Duration,
+) -> Response {
+    let id = format!("{}-{}", prefix(req.endpoint), stream.id());
+    let st = StreamState {
+        state,
+        model,
+        req,
+        stream,
+        _admission: admission,
+        deadline: tokio::time::Instant::now() + timeout,
+        id,
+        created: now_secs(),
+        sent_role: false,
+        offset: 0,
+        tail: Vec::new(),
+        finished: false,
+    };
+    Sse::new(events(st))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+fn events(st: StreamState) -> impl Stream<Item = Result<Event, Infallible>> {
+    stream::unfold(st, |mut st| async move {
+        if let Some(e) = st.tail.pop() {
+            return Some((Ok(e), st));
+        }
+        if st.finished {
+            return None;
+        }
+        let next = tokio::time::timeout_at(st.deadline, st.stream.next()).await;
+        let out = match next {
+            Ok(Some(Ok(o))) => o,
+            Ok(Some(Err(e))) => {
+                st.finished = true;
+                st.tail.push(Event::default().data("[DONE]"));
+                let body = ApiError::from(e).body();
+                return Some((Ok(json_event(&body)), st));
+            }
+            Ok(None) => {
+                st.finished = true;
+                st.tail.push(Event::default().data("[DONE]"));
+                return Some((Ok(json_event(&ApiError::ShuttingDown.body())), st));
+            }
+            Err(_) => {
+                st.finished = true;
+                st.state
+                    .metrics
+                    .aborted
+                    .with_label_values(&[&st.model.name, "timeout"])
+                    .inc();
+                st.tail.push(Event::default().data("[DONE]"));
+                let body = ApiError::Timeout(st.state.config.request_timeout_s).body();
+                return Some((Ok(json_event(&body)), st));
+            }
+        };
+        let event = chunk(&mut st, &out);
+        if out.finish_reason.is_some() {
+            st.finished = true;
+            let finished = Finished::from_output(&out);
+            record(&st.state, &st.model.name, &finished);
+            // Sent in reverse order of pushing: usage (if asked), then [DONE].
+            st.tail.push(Event::default().data("[DONE]"));
+            if st.req.include_usage {
+                let usage = Usage::new(
+                    finished.prompt_tokens,
+                    finished.output_tokens,
+                    finished.cached_tokens,
+                );
+                st.tail.push(json_event(&usage_chunk(&st, usage)));
+            }
+        }
+        Some((Ok(event), st))
+    })
+}
+
+fn json_event<T: serde::Serialize>(v: &T) -> Event {
+    Event::default().data(serde_json::to_string(v).unwrap_or_else(|_| "{}".into()))
+}
+
+fn usage_chunk(st: &StreamState, usage: Usage) -> Value {
+    let object = match st.req.endpoint {
+        Endpoint::Completions => "text_completion",
+        Endpoint::Chat => "chat.completion.chunk",
+    };
+    json!({
+        "id": st.id,
+        "object": object,
+        "created": st.created,
+        "model": st.req.model,
+        "choices": [],
+        "usage": usage,
+    })
+}
+
+fn chunk(st: &mut StreamState, o: &RequestOutput) -> Event {
+    let finish = o.finish_reason.map(finish_str).map(str::to_string);
+    match st.req.endpoint {
+        Endpoint::Completions => {
+            let logprobs = st
+                .req
+                .logprobs
+                .then(|| completion_logprobs(&st.model, &o.token_ids, &o.logprobs, st.offset));
+            st.offset += o.text.len();
+            json_event(&CompletionResponse {
+                id: st.id.clone(),
+                object: "text_completion".into(),
+                created: st.created,
+                model: st.req.model.clone(),
+                choices: vec![CompletionChoice {
+                    index: 0,
+                    text: o.text.clone(),
+                    logprobs,
+                    finish_reason: finish,
+                }],
+                usage: None,
+            })
+        }
+        Endpoint::Chat => {
+            let role = (!st.sent_role).then(|| "assistant".to_string());
+            st.sent_role = true;
+            json_event(&ChatChunk {
+                id: st.id.clone(),
+                object: "chat.completion.chunk".into(),
+                created: st.created,
+                model: st.req.model.clone(),
+                choices: vec![ChatChunkChoice {
+                    index: 0,
+                    delta: ChatDelta {
+                        role,
+                        content: Some(o.text.clone()),
+                    },
+                    logprobs: st
+                        .req
+                        .logprobs
+                        .then(|| chat_logprobs(&st.model, &o.token_ids, &o.logprobs)),
+                    finish_reason: finish,
+                }],
+                usage: None,
+            })
+        }
+    }
+}
+
+pub async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
+    let created = now_secs();
+    let data = state
+        .models
+        .iter()
+        .map(|(name, s)| ModelCard {
+            id: name.clone(),
+            object: "model".into(),
+            created,
+            owned_by: match s {
+                Served::Local(_) => "switchyard".into(),
+                Served::Remote(_) => "remote".into(),
+            },
+            max_model_len: match s {
+                Served::Local(m) => Some(m.info.context_length),
+                Served::Remote(_) => None,
+            },
+        })
+        .collect();
+    Json(ModelList {
+        object: "list".into(),
+        data,
+    })
+}
+
+pub async fn health(State(state): State<Arc<AppState>>) -> Response {
+    if state.shutting_down.load(Ordering::SeqCst) {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "shutting_down"})),
+        )
+            .into_response();
+    }
+    Json(json!({"status": "ok"})).into_response()
+}
+
+/// Refreshes the engine gauges, then renders every metric.
+pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    for (name, s) in &state.models {
+        match s {
+            Served::Local(m) => {
+                state
+                    .metrics
+                    .in_flight
+                    .with_label_values(&[name])
+                    .set(m.in_flight() as f64);
+                if let Ok(Ok(stats)) =
+                    tokio::time::timeout(Duration::from_secs(2), m.handle.stats().recv()).await
+                {
+                    state.metrics.observe_engine(name, &stats);
+                }
+            }
+            Served::Remote(r) => {
+                state
+                    .metrics
+                    .in_flight
+                    .with_label_values(&[name])
+                    .set(r.in_flight() as f64);
+            }
+        }
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+/// Every local engine's state (memory by category, queues, counters, layer loads).
+pub async fn admin_stats(State(state): State<Arc<AppState>>) -> Response {
+    let mut out = BTreeMap::new();
+    for (name, s) in &state.models {
+        let v = match s {
+            Served::Local(m) => match m.handle.stats().recv().await {
+                Ok(stats) => serde_json::to_value(stats).unwrap_or(Value::Null),
+                Err(e) => json!({"error": e.to_string()}),
+            },
+            Served::Remote(r) => {
+                json!({"remote": true, "healthy": r.is_healthy(), "in_flight": r.in_flight()})
+            }
+        };
+        out.insert(name.clone(), v);
+    }
+    Json(out).into_response()
+}
+
+/// `{"model": NAME, "depth": N}`: every sequence of that engine exits at layer N from the next
+/// step on (its first N layers must be resident).
+pub async fn admin_depth(State(state): State<Arc<AppState>>, body: Body) -> Response {
+    let result: Result<Value, ApiError> = async {
+        let bytes = axum::body::to_bytes(body, state.config.max_body_bytes)
+            .await
+            .map_err(|_| ApiError::TooLarge {
+                limit: state.config.max_body_bytes,
+            })?;
+        let v: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::Malformed(format!("the request body is not valid JSON: {e}")))?;
+        let name = v
+            .get("model")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ApiError::invalid("model", "`model` is required"))?;
+        let depth = v
+            .get("depth")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| ApiError::invalid("depth", "`depth` must be a positive integer"))?;
+        match state.models.get(name) {
+            Some(Served::Local(m)) => {
+                m.handle
+                    .set_depth(depth as usize)
+                    .recv()
+                    .await
+                    .map_err(|e| ApiError::invalid("depth", e.to_string()))?;
+                Ok(json!({"model": name, "depth": depth}))
+            }
+            Some(Served::Remote(_)) => Err(ApiError::unsupported(
+                "model",
+                "remote models have no depth here",
+            )),
+            None => Err(ApiError::UnknownModel(name.to_string())),
+        }
+    }
+    .await;
+    match result {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}

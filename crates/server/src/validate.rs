@@ -1,0 +1,606 @@
+//! Validation at the edge: a raw JSON body becomes a [`ValidRequest`] or an [`ApiError`] that
+//! names the offending field. Nothing past this module sees unchecked input.
+
+use serde_json::{Map, Value};
+use switchyard_request::{SamplingParams, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
+use switchyard_tokenizer::ChatMessage;
+
+use crate::error::ApiError;
+
+/// OpenAI's default `max_tokens` for legacy completions.
+pub const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
+/// OpenAI's temperature range.
+pub const MAX_TEMPERATURE: f64 = 2.0;
+/// Most log-probability alternatives a client may ask for (OpenAI's limits).
+pub const MAX_LOGPROBS: u64 = 5;
+pub const MAX_TOP_LOGPROBS: u64 = 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+impl Endpoint {
+    pub fn path(&self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
+
+    pub fn label(&self) -> &'static str {
+        match self {
+            Endpoint::Completions => "completions",
+            Endpoint::Chat => "chat",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    Chat(Vec<ChatMessage>),
+}
+
+/// A request every later stage may trust. `max_tokens` is `None` when the client left it to
+/// the server (chat: the rest of the context).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidRequest {
+    pub endpoint: Endpoint,
+    pub model: String,
+    pub prompt: Prompt,
+    pub params: SamplingParams,
+    pub max_tokens: Option<usize>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub logprobs: bool,
+    /// The body as sent (forwarded as is to remote backends).
+    pub raw: Value,
+}
+
+/// Parses and checks a request body for `endpoint`.
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> {
+    let text = std::str::from_utf8(body)
+        .map_err(|e| ApiError::Malformed(format!("the request body is not valid UTF-8: {e}")))?;
+    let raw: Value = serde_json::from_str(text)
+        .map_err(|e| ApiError::Malformed(format!("the request body is not valid JSON: {e}")))?;
+    let obj = raw
+        .as_object()
+        .ok_or_else(|| ApiError::Malformed("the request body must be a JSON object".into()))?;
+    let f = Fields(obj);
+
+    let model = f
+        .string("model")?
+        .ok_or_else(|| ApiError::invalid("model", "`model` is required"))?;
+    let prompt = match endpoint {
+        Endpoint::Completions => completion_prompt(obj.get("prompt"))?,
+        Endpoint::Chat => Prompt::Chat(messages(obj.get("messages"))?),
+    };
+    if let Some(n) = f.uint("n")? {
+        if n != 1 {
+            return Err(ApiError::unsupported(
+                "n",
+                format!("`n` = {n}: only one choice per request is supported"),
+            ));
+        }
+    }
+    if let Some(b) = f.uint("best_of")? {
+        if b != 1 {
+            return Err(ApiError::unsupported("best_of", "`best_of` must be 1"));
+        }
+    }
+    for key in ["presence_penalty", "frequency_penalty"] {
+        if let Some(v) = f.number(key)? {
+            if v != 0.0 {
+                return Err(ApiError::unsupported(
+                    key,
+                    format!("`{key}` is not supported; use `repetition_penalty`"),
+                ));
+            }
+        }
+    }
+    for key in ["echo"] {
+        if f.bool(key)? == Some(true) {
+            return Err(ApiError::unsupported(
+                key,
+                format!("`{key}` is not supported"),
+            ));
+        }
+    }
+    for key in [
+        "suffix",
+        "tools",
+        "functions",
+        "response_format",
+        "logit_bias",
+    ] {
+        match obj.get(key) {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(m)) if m.is_empty() => {}
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(_) => {
+                return Err(ApiError::unsupported(
+                    key,
+                    format!("`{key}` is not supported"),
+                ))
+            }
+        }
+    }
+
+    let max_tokens = match endpoint {
+        Endpoint::Completions => Some(f.uint("max_tokens")?.map_or(
+            Ok(DEFAULT_COMPLETION_MAX_TOKENS as u64),
+            Ok::<u64, ApiError>,
+        )?),
+        Endpoint::Chat => match f.uint("max_completion_tokens")? {
+            Some(v) => Some(v),
+            None => f.uint("max_tokens")?,
+        },
+    };
+    if max_tokens == Some(0) {
+        return Err(ApiError::invalid(
+            "max_tokens",
+            "`max_tokens` must be at least 1",
+        ));
+    }
+    let max_tokens = max_tokens
+        .map(|v| {
+            usize::try_from(v).map_err(|_| {
+                ApiError::invalid("max_tokens", format!("`max_tokens` = {v} is too large"))
+            })
+        })
+        .transpose()?;
+
+    let temperature = f.number("temperature")?.unwrap_or(1.0);
+    if !(0.0..=MAX_TEMPERATURE).contains(&temperature) {
+        return Err(ApiError::invalid(
+            "temperature",
+            format!("`temperature` must be between 0 and {MAX_TEMPERATURE}, got {temperature}"),
+        ));
+    }
+    let top_p = f.number("top_p")?.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid(
+            "top_p",
+            format!("`top_p` must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let top_k = match obj.get("top_k") {
+        None | Some(Value::Null) => 0,
+        Some(v) => match v.as_i64() {
+            Some(k) if k <= 0 => 0,
+            Some(k) => k as usize,
+            None => return Err(ApiError::invalid("top_k", "`top_k` must be an integer")),
+        },
+    };
+    let repetition_penalty = f.number("repetition_penalty")?.unwrap_or(1.0);
+    if !(repetition_penalty > 0.0 && repetition_penalty.is_finite()) {
+        return Err(ApiError::invalid(
+            "repetition_penalty",
+            "`repetition_penalty` must be positive",
+        ));
+    }
+    let seed = match obj.get("seed") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .or_else(|| v.as_i64().map(|s| s as u64))
+                .ok_or_else(|| ApiError::invalid("seed", "`seed` must be an integer"))?,
+        ),
+    };
+    let stop = stops(obj.get("stop"))?;
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = match obj.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => {
+            if !stream {
+                return Err(ApiError::invalid(
+                    "stream_options",
+                    "`stream_options` is only allowed with `stream: true`",
+                ));
+            }
+            match o.get("include_usage") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        "stream_options.include_usage",
+                        "`include_usage` must be a boolean",
+                    ))
+                }
+            }
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "`stream_options` must be an object",
+            ))
+        }
+    };
+    let logprobs = match endpoint {
+        Endpoint::Completions => match f.uint("logprobs")? {
+            None => false,
+            Some(n) if n <= MAX_LOGPROBS => true,
+            Some(n) => {
+                return Err(ApiError::invalid(
+                    "logprobs",
+                    format!("`logprobs` must be at most {MAX_LOGPROBS}, got {n}"),
+                ))
+            }
+        },
+        Endpoint::Chat => {
+            if let Some(t) = f.uint("top_logprobs")? {
+                if t > MAX_TOP_LOGPROBS {
+                    return Err(ApiError::invalid(
+                        "top_logprobs",
+                        format!("`top_logprobs` must be at most {MAX_TOP_LOGPROBS}"),
+                    ));
+                }
+            }
+            f.bool("logprobs")?.unwrap_or(false)
+        }
+    };
+    let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
+
+    let params = SamplingParams {
+        max_tokens: max_tokens.unwrap_or(1),
+        temperature: temperature as f32,
+        top_k,
+        top_p: top_p as f32,
+        repetition_penalty: repetition_penalty as f32,
+        seed,
+        stop,
+        ignore_eos,
+    };
+    params
+        .validate()
+        .map_err(|e| ApiError::invalid("sampling", e.to_string()))?;
+    Ok(ValidRequest {
+        endpoint,
+        model,
+        prompt,
+        params,
+        max_tokens,
+        stream,
+        include_usage,
+        logprobs,
+        raw,
+    })
+}
+
+/// Typed getters that say which field has the wrong type.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn string(&self, key: &str) -> Result<Option<String>, ApiError> {
+        match self.0.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(ApiError::invalid(key, format!("`{key}` must be a string"))),
+        }
+    }
+
+    fn number(&self, key: &str) -> Result<Option<f64>, ApiError> {
+        match self.0.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Number(n)) => Ok(n.as_f64()),
+            Some(_) => Err(ApiError::invalid(key, format!("`{key}` must be a number"))),
+        }
+    }
+
+    fn uint(&self, key: &str) -> Result<Option<u64>, ApiError> {
+        match self.0.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Number(n)) => match (n.as_u64(), n.as_i64()) {
+                (Some(v), _) => Ok(Some(v)),
+                (None, Some(v)) => Err(ApiError::invalid(
+                    key,
+                    format!("`{key}` must not be negative, got {v}"),
+                )),
+                _ => Err(ApiError::invalid(
+                    key,
+                    format!("`{key}` must be an integer"),
+                )),
+            },
+            Some(_) => Err(ApiError::invalid(
+                key,
+                format!("`{key}` must be an integer"),
+            )),
+        }
+    }
+
+    fn bool(&self, key: &str) -> Result<Option<bool>, ApiError> {
+        match self.0.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(_) => Err(ApiError::invalid(key, format!("`{key}` must be a boolean"))),
+        }
+    }
+}
+
+fn completion_prompt(v: Option<&Value>) -> Result<Prompt, ApiError> {
+    match v {
+        None | Some(Value::Null) => Err(ApiError::invalid("prompt", "`prompt` is required")),
+        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+        Some(Value::Array(items)) => {
+            if items.is_empty() {
+                return Err(ApiError::invalid("prompt", "`prompt` must not be empty"));
+            }
+            if items.iter().all(Value::is_string) {
+                if items.len() > 1 {
+                    return Err(ApiError::unsupported(
+                        "prompt",
+                        "batched prompts are not supported; send one prompt per request",
+                    ));
+                }
+                return Ok(Prompt::Text(
+                    items[0].as_str().unwrap_or_default().to_string(),
+                ));
+            }
+            let ids: Option<Vec<u32>> = items
+                .iter()
+                .map(|x| x.as_u64().and_then(|i| u32::try_from(i).ok()))
+                .collect();
+            ids.map(Prompt::Tokens).ok_or_else(|| {
+                ApiError::invalid(
+                    "prompt",
+                    "`prompt` must be a string, an array of one string, or an array of token ids",
+                )
+            })
+        }
+        Some(_) => Err(ApiError::invalid(
+            "prompt",
+            "`prompt` must be a string, an array of one string, or an array of token ids",
+        )),
+    }
+}
+
+fn messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    let items = match v {
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid("messages", "`messages` is required"))
+        }
+        Some(Value::Array(a)) => a,
+        Some(_) => return Err(ApiError::invalid("messages", "`messages` must be an array")),
+    };
+    if items.is_empty() {
+        return Err(ApiError::invalid(
+            "messages",
+            "`messages` must not be empty",
+        ));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let at = format!("messages[{i}]");
+            let o = m
+                .as_object()
+                .ok_or_else(|| ApiError::invalid(&at, format!("`{at}` must be an object")))?;
+            let role = match o.get("role") {
+                Some(Value::String(r))
+                    if matches!(
+                        r.as_str(),
+                        "system" | "user" | "assistant" | "developer" | "tool"
+                    ) =>
+                {
+                    r.clone()
+                }
+                Some(Value::String(r)) => {
+                    return Err(ApiError::invalid(
+                        &format!("{at}.role"),
+                        format!("unknown role {r:?}"),
+                    ))
+                }
+                _ => {
+                    return Err(ApiError::invalid(
+                        &format!("{at}.role"),
+                        format!("`{at}.role` is required and must be a string"),
+                    ))
+                }
+            };
+            let content = match o.get("content") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Null) | None if role == "assistant" => String::new(),
+                Some(Value::Array(parts)) => {
+                    let mut text = String::new();
+                    for (j, p) in parts.iter().enumerate() {
+                        match (
+                            p.get("type").and_then(Value::as_str),
+                            p.get("text").and_then(Value::as_str),
+                        ) {
+                            (Some("text"), Some(t)) => text.push_str(t),
+                            (Some(kind), _) => {
+                                return Err(ApiError::unsupported(
+                                    &format!("{at}.content[{j}]"),
+                                    format!("content parts of type {kind:?} are not supported"),
+                                ))
+                            }
+                            _ => {
+                                return Err(ApiError::invalid(
+                                    &format!("{at}.content[{j}]"),
+                                    "a content part needs `type` and `text`",
+                                ))
+                            }
+                        }
+                    }
+                    text
+                }
+                _ => {
+                    return Err(ApiError::invalid(
+                        &format!("{at}.content"),
+                        format!("`{at}.content` must be a string or an array of text parts"),
+                    ))
+                }
+            };
+            Ok(ChatMessage { role, content })
+        })
+        .collect()
+}
+
+fn stops(v: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let list: Vec<String> = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| {
+                x.as_str().map(str::to_string).ok_or_else(|| {
+                    ApiError::invalid("stop", "`stop` must be a string or an array of strings")
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stop",
+                "`stop` must be a string or an array of strings",
+            ))
+        }
+    };
+    if list.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "at most {MAX_STOP_STRINGS} stop strings are allowed, got {}",
+                list.len()
+            ),
+        ));
+    }
+    if let Some(s) = list
+        .iter()
+        .find(|s| s.is_empty() || s.len() > MAX_STOP_STRING_BYTES)
+    {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "stop strings must be 1 to {MAX_STOP_STRING_BYTES} bytes long, got one of {} bytes",
+                s.len()
+            ),
+        ));
+    }
+    Ok(list)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(endpoint: Endpoint, body: &str) -> (u16, String) {
+        let e = parse(endpoint, body.as_bytes()).unwrap_err();
+        (e.status().as_u16(), e.to_string())
+    }
+
+    #[test]
+    fn good_requests_parse() {
+        let r = parse(
+            Endpoint::Completions,
+            br#"{"model":"m","prompt":"hi","max_tokens":5,"temperature":0,"stop":["\n"],"seed":3,"stream":true,"stream_options":{"include_usage":true},"logprobs":1}"#,
+        )
+        .unwrap();
+        assert_eq!(r.prompt, Prompt::Text("hi".into()));
+        assert_eq!(r.max_tokens, Some(5));
+        assert_eq!(r.params.seed, Some(3));
+        assert!(r.stream && r.include_usage && r.logprobs);
+        let r = parse(Endpoint::Completions, br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        assert_eq!(r.max_tokens, Some(DEFAULT_COMPLETION_MAX_TOKENS));
+        let r = parse(
+            Endpoint::Chat,
+            br#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.prompt, Prompt::Chat(vec![ChatMessage::new("user", "ab")]));
+        assert_eq!(r.max_tokens, None);
+    }
+
+    #[test]
+    fn bad_requests_name_the_field() {
+        use Endpoint::*;
+        assert_eq!(err(Completions, "{").0, 400);
+        assert_eq!(
+            err(Completions, "[1]"),
+            (400, "the request body must be a JSON object".into())
+        );
+        assert_eq!(
+            err(Completions, r#"{"prompt":"x"}"#),
+            (422, "`model` is required".into())
+        );
+        assert_eq!(
+            err(Completions, r#"{"model":1,"prompt":"x"}"#),
+            (422, "`model` must be a string".into())
+        );
+        assert_eq!(
+            err(Completions, r#"{"model":"m"}"#),
+            (422, "`prompt` is required".into())
+        );
+        assert_eq!(
+            err(Completions, r#"{"model":"m","prompt":"x","max_tokens":-1}"#),
+            (422, "`max_tokens` must not be negative, got -1".into())
+        );
+        assert_eq!(
+            err(
+                Completions,
+                r#"{"model":"m","prompt":"x","max_tokens":"5"}"#
+            ),
+            (422, "`max_tokens` must be an integer".into())
+        );
+        assert_eq!(
+            err(Completions, r#"{"model":"m","prompt":"x","temperature":3}"#),
+            (422, "`temperature` must be between 0 and 2, got 3".into())
+        );
+        assert_eq!(
+            err(Completions, r#"{"model":"m","prompt":"x","n":5}"#),
+            (
+                400,
+                "`n` = 5: only one choice per request is supported".into()
+            )
+        );
+        assert_eq!(
+            err(Chat, r#"{"model":"m","messages":[]}"#),
+            (422, "`messages` must not be empty".into())
+        );
+        assert_eq!(
+            err(
+                Chat,
+                r#"{"model":"m","messages":[{"role":"wizard","content":"x"}]}"#
+            ),
+            (422, "unknown role \"wizard\"".into())
+        );
+        let many: Vec<String> = (0..1000).map(|i| format!("\"s{i}\"")).collect();
+        let body = format!(
+            r#"{{"model":"m","prompt":"x","stop":[{}]}}"#,
+            many.join(",")
+        );
+        assert_eq!(
+            err(Completions, &body),
+            (422, "at most 16 stop strings are allowed, got 1000".into())
+        );
+        assert_eq!(
+            err(
+                Completions,
+                r#"{"model":"m","prompt":"x","stream_options":{"include_usage":true}}"#
+            )
+            .0,
+            422
+        );
+        assert_eq!(
+            err(Completions, r#"{"model":"m","prompt":["a","b"]}"#).0,
+            400
+        );
+        assert_eq!(
+            err(
+                Completions,
+                r#"{"model":"m","prompt":"x","presence_penalty":0.5}"#
+            )
+            .0,
+            400
+        );
+        let e = parse(Completions, b"{\"model\":\"m\",\"prompt\":\"\xff\"}").unwrap_err();
+        assert_eq!(e.status().as_u16(), 400);
+        assert!(e
+            .to_string()
+            .starts_with("the request body is not valid UTF-8"));
+    }
+}

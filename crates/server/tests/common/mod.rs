@@ -1,0 +1,85 @@
+//! An in-process server on a free loopback port, for the HTTP tests.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use switchyard_server::config::Config;
+use switchyard_server::state::AppState;
+
+pub const MODEL: &str = "smollm2-135m-instruct";
+
+pub struct TestServer {
+    pub base: String,
+    pub state: Arc<AppState>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A server for `toml` (the `[[models]]` entry for the test model is added when absent).
+pub async fn start(toml: &str) -> TestServer {
+    let toml = if toml.contains("[[models]]") || toml.contains("[[backends]]") {
+        toml.to_string()
+    } else {
+        format!("{toml}\n[[models]]\nname = \"{MODEL}\"\nmemory_budget = \"256MiB\"\n")
+    };
+    let cfg = Config::parse(&toml).expect("test config");
+    let state = switchyard_server::build_state(&cfg)
+        .await
+        .expect("engines start");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let app = switchyard_server::router(state.clone());
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    TestServer {
+        base: format!("http://{addr}"),
+        state,
+        task,
+    }
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+/// Posts JSON text to `path`; returns status, headers and the body as JSON (Null if not JSON).
+pub async fn post(
+    base: &str,
+    path: &str,
+    body: impl Into<reqwest::Body>,
+    content_type: &str,
+    key: Option<&str>,
+) -> (u16, reqwest::header::HeaderMap, serde_json::Value) {
+    let mut r = client()
+        .post(format!("{base}{path}"))
+        .header("content-type", content_type)
+        .body(body);
+    if let Some(k) = key {
+        r = r.bearer_auth(k);
+    }
+    let resp = r.send().await.expect("request sent");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let text = resp.text().await.unwrap_or_default();
+    (
+        status,
+        headers,
+        serde_json::from_str(&text).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+/// The `data:` payloads of a server-sent-event body.
+pub fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
+}

@@ -1,0 +1,344 @@
+//! The HTTP server on a real model (smollm2-135m-instruct) over loopback: validation of bad
+//! requests, authentication, streaming, disconnects, overload, timeouts, metrics, and a remote
+//! backend relaying a second instance.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{post, sse_data, start, MODEL};
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+const JSON: &str = "application/json";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_clear_errors_and_do_not_disturb_the_server() {
+    let s = start("[server]\nmax_body_bytes = 200000\n").await;
+    let long_prompt = "hello ".repeat(9000);
+    let many_stops: Vec<String> = (0..1000).map(|i| format!("s{i}")).collect();
+    let c = "/v1/completions";
+    let ch = "/v1/chat/completions";
+    // (what, path, content type, body, status, error type)
+    type Case<'a> = (&'a str, &'a str, &'a str, Vec<u8>, u16, &'a str);
+    let cases: Vec<Case> = vec![
+        ("malformed JSON", c, JSON, b"{".to_vec(), 400, "invalid_request_error"),
+        ("array body", c, JSON, b"[1,2]".to_vec(), 400, "invalid_request_error"),
+        ("invalid UTF-8", c, JSON, b"{\"model\":\"\xff\"}".to_vec(), 400, "invalid_request_error"),
+        ("wrong content type", c, "text/plain", br#"{"model":"m"}"#.to_vec(), 415, "invalid_request_error"),
+        ("missing model", c, JSON, br#"{"prompt":"x"}"#.to_vec(), 422, "invalid_request_error"),
+        ("missing prompt", c, JSON, json!({"model": MODEL}).to_string().into_bytes(), 422, "invalid_request_error"),
+        ("missing messages", ch, JSON, json!({"model": MODEL}).to_string().into_bytes(), 422, "invalid_request_error"),
+        ("model of wrong type", c, JSON, br#"{"model":7,"prompt":"x"}"#.to_vec(), 422, "invalid_request_error"),
+        ("temperature of wrong type", c, JSON, json!({"model": MODEL, "prompt": "x", "temperature": "hot"}).to_string().into_bytes(), 422, "invalid_request_error"),
+        ("negative max_tokens", c, JSON, json!({"model": MODEL, "prompt": "x", "max_tokens": -5}).to_string().into_bytes(), 422, "invalid_request_error"),
+        ("huge max_tokens", c, JSON, json!({"model": MODEL, "prompt": "x", "max_tokens": 1_000_000_000u64}).to_string().into_bytes(), 400, "invalid_request_error"),
+        ("unknown model", c, JSON, json!({"model": "gpt-9", "prompt": "x"}).to_string().into_bytes(), 404, "not_found_error"),
+        ("prompt over the context", c, JSON, json!({"model": MODEL, "prompt": long_prompt}).to_string().into_bytes(), 400, "invalid_request_error"),
+        ("body over the size limit", c, JSON, vec![b' '; 300_000], 413, "invalid_request_error"),
+        ("n = 5", c, JSON, json!({"model": MODEL, "prompt": "x", "n": 5}).to_string().into_bytes(), 400, "invalid_request_error"),
+        ("1,000 stop strings", c, JSON, json!({"model": MODEL, "prompt": "x", "stop": many_stops}).to_string().into_bytes(), 422, "invalid_request_error"),
+        ("top_p = 0", c, JSON, json!({"model": MODEL, "prompt": "x", "top_p": 0}).to_string().into_bytes(), 422, "invalid_request_error"),
+        ("stream_options without stream", c, JSON, json!({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": true}}).to_string().into_bytes(), 422, "invalid_request_error"),
+        ("empty messages", ch, JSON, json!({"model": MODEL, "messages": []}).to_string().into_bytes(), 422, "invalid_request_error"),
+        ("unknown role", ch, JSON, json!({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}).to_string().into_bytes(), 422, "invalid_request_error"),
+        ("logprobs above 5", c, JSON, json!({"model": MODEL, "prompt": "x", "logprobs": 10}).to_string().into_bytes(), 422, "invalid_request_error"),
+        ("presence_penalty", c, JSON, json!({"model": MODEL, "prompt": "x", "presence_penalty": 1.0}).to_string().into_bytes(), 400, "invalid_request_error"),
+        ("token id outside the vocabulary", c, JSON, json!({"model": MODEL, "prompt": [1, 999_999]}).to_string().into_bytes(), 422, "invalid_request_error"),
+        ("image content", ch, JSON, json!({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).to_string().into_bytes(), 400, "invalid_request_error"),
+    ];
+    assert!(cases.len() >= 20);
+    for (what, path, ct, body, status, kind) in cases {
+        let (got, _, v) = post(&s.base, path, body, ct, None).await;
+        assert_eq!(got, status, "{what}: {v}");
+        assert_eq!(v["error"]["type"], kind, "{what}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{what}: no message in {v}"
+        );
+    }
+    // The server still serves a good request.
+    let (got, _, v) = post(
+        &s.base,
+        c,
+        json!({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}).to_string(),
+        JSON,
+        None,
+    )
+    .await;
+    assert_eq!(got, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    assert_eq!(v["choices"][0]["text"], " Paris.\n\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_protect_v1_and_admin_only() {
+    let s = start("[server]\napi_keys = [\"secret-key-123\"]\nadmin = true\n").await;
+    let get = |path: &str, key: Option<&str>| {
+        let mut r = common::client().get(format!("{}{path}", s.base));
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        async move { r.send().await.map(|r| r.status().as_u16()).unwrap_or(0) }
+    };
+    for path in ["/v1/models", "/admin/stats"] {
+        assert_eq!(get(path, None).await, 401, "{path} without a key");
+        assert_eq!(
+            get(path, Some("secret-key-124")).await,
+            401,
+            "{path} with a wrong key of the same length"
+        );
+        assert_eq!(
+            get(path, Some("secret-key-123")).await,
+            200,
+            "{path} with the key"
+        );
+    }
+    let body = json!({"model": MODEL, "prompt": "x", "max_tokens": 1}).to_string();
+    let (st, h, v) = post(&s.base, "/v1/completions", body.clone(), JSON, None).await;
+    assert_eq!(st, 401);
+    assert_eq!(v["error"]["type"], "authentication_error");
+    assert_eq!(
+        h.get("www-authenticate").and_then(|v| v.to_str().ok()),
+        Some("Bearer")
+    );
+    let (st, _, _) = post(
+        &s.base,
+        "/v1/completions",
+        body,
+        JSON,
+        Some("secret-key-123"),
+    )
+    .await;
+    assert_eq!(st, 200);
+    assert_eq!(get("/health", None).await, 200);
+    assert_eq!(get("/metrics", None).await, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_routes_are_off_unless_enabled() {
+    let s = start("").await;
+    let st = common::client()
+        .get(format!("{}/admin/stats", s.base))
+        .send()
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0);
+    assert_eq!(st, 404);
+}
+
+async fn streamed_text(base: &str, body: Value) -> (String, Vec<Value>) {
+    let resp = common::client()
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(resp.status().as_u16(), 200);
+    let text = resp.text().await.expect("body");
+    let data = sse_data(&text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).expect("chunk is JSON"))
+        .collect();
+    let joined = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    (joined, chunks)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_text_equals_non_streamed_for_the_same_seed() {
+    let s = start("").await;
+    let body = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24,
+                      "temperature": 0.9, "top_p": 0.95, "seed": 7, "logprobs": 0});
+    let (_, _, whole) = post(&s.base, "/v1/completions", body.to_string(), JSON, None).await;
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let (text, chunks) = streamed_text(&s.base, sbody).await;
+    assert_eq!(
+        text,
+        whole["choices"][0]["text"].as_str().unwrap_or_default()
+    );
+    let usage = &chunks.last().expect("usage chunk")["usage"];
+    assert_eq!(usage, &whole["usage"]);
+    // Log-probabilities: one per generated token, the same in both.
+    let lp_whole = whole["choices"][0]["logprobs"]["token_logprobs"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let lp_stream: Vec<Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["token_logprobs"].as_array())
+        .flatten()
+        .cloned()
+        .collect();
+    assert_eq!(lp_whole.len(), 24);
+    assert_eq!(lp_stream, lp_whole);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_frees_its_blocks() {
+    let s = start("[server]\nadmin = true\n").await;
+    let resp = common::client()
+        .post(format!("{}/v1/completions", s.base))
+        .json(
+            &json!({"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 2000,
+                      "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .expect("sent");
+    let mut body = resp.bytes_stream();
+    let first = body.next().await.expect("a first chunk").expect("bytes");
+    assert!(String::from_utf8_lossy(&first).contains("data: "));
+    let stats = |base: String| async move {
+        common::client()
+            .get(format!("{base}/admin/stats"))
+            .send()
+            .await
+            .expect("stats")
+            .json::<Value>()
+            .await
+            .expect("json")[MODEL]
+            .clone()
+    };
+    let during = stats(s.base.clone()).await;
+    assert_eq!(during["running"], 1);
+    drop(body);
+    let mut freed = false;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let st = stats(s.base.clone()).await;
+        // Only blocks kept by the prefix cache may remain.
+        if st["running"] == 0 && st["kv_blocks_used"] == st["prefix_cached_blocks"] {
+            freed = true;
+            break;
+        }
+    }
+    assert!(freed, "the sequence was not aborted");
+    let metrics = common::client()
+        .get(format!("{}/metrics", s.base))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        metrics.contains(&format!(
+            "switchyard_aborted_requests_total{{model=\"{MODEL}\",reason=\"client_disconnect\"}} 1"
+        )),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_gets_429_while_admitted_requests_finish() {
+    let s = start("[server]\nmax_in_flight = 2\n").await;
+    let body = json!({"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 32,
+                      "ignore_eos": true, "temperature": 0})
+    .to_string();
+    let sends = (0..6).map(|_| post(&s.base, "/v1/completions", body.clone(), JSON, None));
+    let results = futures::future::join_all(sends).await;
+    let ok: Vec<&Value> = results
+        .iter()
+        .filter(|r| r.0 == 200)
+        .map(|r| &r.2)
+        .collect();
+    let busy: Vec<_> = results.iter().filter(|r| r.0 == 429).collect();
+    assert_eq!(ok.len() + busy.len(), 6, "{results:?}");
+    assert!(
+        !busy.is_empty() && ok.len() >= 2,
+        "ok {} busy {}",
+        ok.len(),
+        busy.len()
+    );
+    for (_, h, v) in &busy {
+        assert_eq!(
+            h.get("retry-after").and_then(|v| v.to_str().ok()),
+            Some("1")
+        );
+        assert_eq!(v["error"]["type"], "rate_limit_error");
+    }
+    for v in ok {
+        assert_eq!(v["usage"]["completion_tokens"], 32);
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_over_the_timeout_is_cut_off() {
+    let s = start("[server]\nrequest_timeout_s = 1\n").await;
+    let (st, _, v) = post(
+        &s.base,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": "x", "max_tokens": 5000, "ignore_eos": true}).to_string(),
+        JSON,
+        None,
+    )
+    .await;
+    assert_eq!(st, 504, "{v}");
+    assert_eq!(v["error"]["message"], "the request took longer than 1 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_backend_relays_a_second_instance_unchanged() {
+    let a = start("").await;
+    let b = start(&format!(
+        "[[backends]]\nkind = \"openai\"\nname = \"relay\"\nurl = \"{}\"\nmodel = \"{MODEL}\"\n",
+        a.base
+    ))
+    .await;
+    let body = |model: &str| {
+        json!({"model": model, "prompt": "The three primary colors are", "max_tokens": 16,
+               "temperature": 0, "stream": true, "stream_options": {"include_usage": true}})
+    };
+    let (direct, direct_chunks) = streamed_text(&a.base, body(MODEL)).await;
+    let (relayed, relayed_chunks) = streamed_text(&b.base, body("relay")).await;
+    assert_eq!(relayed, direct);
+    assert!(!relayed.is_empty());
+    // Chunk by chunk the same content; only the per-request id and time differ.
+    let strip = |c: &Value| {
+        let mut c = c.clone();
+        c["id"] = Value::Null;
+        c["created"] = Value::Null;
+        c
+    };
+    let d: Vec<Value> = direct_chunks.iter().map(strip).collect();
+    let r: Vec<Value> = relayed_chunks.iter().map(strip).collect();
+    assert_eq!(r, d);
+    // /v1/models of the relay lists the remote model under its own name.
+    let models: Value = common::client()
+        .get(format!("{}/v1/models", b.base))
+        .send()
+        .await
+        .expect("models")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(models["data"][0]["id"], "relay");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_backend_is_a_502() {
+    let b = start(
+        "[[backends]]\nkind = \"openai\"\nname = \"gone\"\nurl = \"http://127.0.0.1:9\"\nhealth_interval_s = 3600\n",
+    )
+    .await;
+    let (st, _, v) = post(
+        &b.base,
+        "/v1/completions",
+        json!({"model": "gone", "prompt": "x"}).to_string(),
+        JSON,
+        None,
+    )
+    .await;
+    assert_eq!(st, 502, "{v}");
+    assert_eq!(v["error"]["type"], "service_unavailable");
+}

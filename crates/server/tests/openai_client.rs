@@ -1,0 +1,87 @@
+//! The official OpenAI Python client against the server, and /metrics through the Prometheus
+//! client's text-format parser (both installed into a cached virtualenv on first use).
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use common::{start, MODEL};
+
+/// Pinned versions of the Python clients the test drives.
+const CLIENTS: &[&str] = &["openai==3.57.0", "prometheus_client==0.26.0"];
+
+/// A virtualenv with the clients, under the Switchyard cache (made once, under a file lock).
+fn client_python() -> PathBuf {
+    let dir = switchyard_zoo::home().join("venvs").join("test-clients");
+    std::fs::create_dir_all(dir.parent().unwrap_or(&dir)).expect("cache dir");
+    let lock_path = dir.with_extension("lock");
+    let lock = std::fs::File::create(&lock_path).expect("lock file");
+    fs4::fs_std::FileExt::lock_exclusive(&lock).expect("lock");
+    let python = dir.join("bin").join("python");
+    let stamp = dir.join(".installed");
+    let want = CLIENTS.join(" ");
+    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(want.as_str()) {
+        let st = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&dir)
+            .status()
+            .expect("python3 -m venv");
+        assert!(st.success(), "creating the virtualenv failed");
+        let st = Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet"])
+            .args(CLIENTS)
+            .status()
+            .expect("pip install");
+        assert!(st.success(), "installing {want} failed");
+        std::fs::write(&stamp, &want).expect("stamp");
+    }
+    python
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_openai_client_and_prometheus_parser() {
+    let python = tokio::task::spawn_blocking(client_python)
+        .await
+        .expect("venv");
+    let s = start("").await;
+    // Expected prompt token counts from the model's own tokenizer.
+    let info = match s.state.models.get(MODEL) {
+        Some(switchyard_server::state::Served::Local(m)) => m.info.clone(),
+        _ => panic!("local model missing"),
+    };
+    let tok = &info.tokenizer;
+    let completion = tok
+        .encode("The capital of France is", true, true)
+        .expect("encode")
+        .len();
+    let chat_text = tok
+        .apply_chat_template(
+            &[switchyard_tokenizer::ChatMessage::new(
+                "user",
+                "Name a color.",
+            )],
+            true,
+        )
+        .expect("template");
+    let chat = tok.encode(&chat_text, true, true).expect("encode").len();
+    let expected = serde_json::json!({"completion": completion, "chat": chat}).to_string();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/openai_client.py");
+    let base = s.base.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .arg(script)
+            .args([&base, MODEL, &expected])
+            .output()
+            .expect("python runs")
+    })
+    .await
+    .expect("join");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "python checks failed:\n{stdout}\n{stderr}"
+    );
+    assert_eq!(stdout.trim(), "ok");
+}
