@@ -12,6 +12,7 @@ mod load;
 mod models;
 mod offline;
 mod output;
+mod profile;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -50,6 +51,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Fit exit heads (tuned lens) for a model by ridge regression over a corpus.
     Calibrate(exits::CalibrateArgs),
+    /// Measure a model's telemetry per exit depth (the HELIOS repository entry).
+    Profile(profile::ProfileArgs),
 }
 
 fn main() {
@@ -63,6 +66,7 @@ fn main() {
         Command::Bench(c) => bench::run(c, threads),
         Command::Serve(a) => serve::run(a),
         Command::Calibrate(a) => exits::run_calibrate(a),
+        Command::Profile(a) => profile::run(a, threads),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
