@@ -142,11 +142,10 @@ pub fn run(a: ProfileArgs, threads: usize) -> anyhow::Result<()> {
             .unwrap_or_else(|_| ProgressStyle::default_spinner()),
     );
     pb.enable_steady_tick(std::time::Duration::from_millis(200));
-    let text_name = text_path.display().to_string();
     let p = profile::profile(
         &target,
         &ProfileText {
-            name: &text_name,
+            name: &a.text,
             text: &text,
         },
         &opts,
