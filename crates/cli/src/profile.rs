@@ -21,7 +21,8 @@ pub struct ProfileArgs {
     #[arg(long)]
     model: String,
     /// Exit heads file (default: `<model>.exits.safetensors`, as `switchyard calibrate`
-    /// writes). Without one, exits read the logit lens every n_layers / 8 layers.
+    /// writes). Without one, exits read the logit lens (at --depths, or every n_layers / 8
+    /// layers).
     #[arg(long)]
     heads: Option<PathBuf>,
     /// Exit depths to profile (default: every head); full depth is always added.
@@ -75,7 +76,11 @@ fn heads_for(
         anyhow::bail!("no exit heads at {}", path.display());
     }
     let n = loaded.model.n_layers();
-    let depths = exit_depths(n, default_every(n));
+    // The logit lens has a head at every depth: the asked ones, or the default spacing.
+    let depths = match &a.depths {
+        Some(d) => d.iter().copied().filter(|&d| d < n).collect(),
+        None => exit_depths(n, default_every(n)),
+    };
     eprintln!(
         "no exit heads at {}: profiling the logit lens at depths {depths:?} (run `switchyard \
          calibrate --model {name}` for tuned heads)",
