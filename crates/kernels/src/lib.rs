@@ -161,6 +161,50 @@ impl QLinear {
         }
     }
 
+    /// `[layer.forward(x) for layer in layers]`, bit for bit, computed together where the
+    /// kernels allow (see [`quant::matmul_many`]): a layer's q/k/v or gate/up projections.
+    pub fn forward_many(layers: &[&QLinear], x: &Tensor) -> Result<Vec<Tensor>> {
+        let packed: Option<Vec<&PackedWeight>> = layers
+            .iter()
+            .map(|l| match &l.kernel {
+                Kernel::Packed(p) => Some(&**p),
+                Kernel::Candle(_) => None,
+            })
+            .collect();
+        let Some(ws) = packed.filter(|ws| ws.len() > 1) else {
+            return layers.iter().map(|l| l.forward(x)).collect();
+        };
+        let mut dims = x.dims().to_vec();
+        let k = dims.pop().unwrap_or(0);
+        if let Some(l) = layers.iter().find(|l| l.in_features != k) {
+            candle_core::bail!("input has {k} features, the layer takes {}", l.in_features);
+        }
+        let _enter = layers[0].span.enter();
+        let rows: usize = dims.iter().product();
+        let xs = x.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let mut outs: Vec<Vec<f32>> = layers
+            .iter()
+            .map(|l| vec![0f32; rows * l.out_features])
+            .collect();
+        {
+            let mut views: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+            quant::matmul_many(&ws, &xs, rows, &mut views);
+        }
+        layers
+            .iter()
+            .zip(outs)
+            .map(|(l, out)| {
+                let mut shape = dims.clone();
+                shape.push(l.out_features);
+                let y = Tensor::from_vec(out, shape, x.device())?;
+                match &l.bias {
+                    Some(b) => y.broadcast_add(b),
+                    None => Ok(y),
+                }
+            })
+            .collect()
+    }
+
     /// Rows `ids` of the weight as f32 `[ids.len(), in_features]` (an embedding lookup),
     /// dequantized exactly as ggml does.
     pub fn rows(&self, ids: &[u32]) -> Result<Tensor> {

@@ -159,10 +159,13 @@ impl SelfAttention {
         let shape = ctx.shape;
         let hd = shape.head_dim;
         let tokens = x.dim(0)?;
-        let q = self.project(&self.q, self.q_norm.as_ref(), x, shape.n_heads, hd)?;
+        let [q, k, v]: [Tensor; 3] = QLinear::forward_many(&[&self.q, &self.k, &self.v], x)?
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("q/k/v projections".into()))?;
+        let q = Self::norm_heads(q, self.q_norm.as_ref(), shape.n_heads, hd)?;
         let mut q = q.flatten_all()?.to_vec1::<f32>()?;
         ctx.rope.apply(&mut q, shape.n_heads, self.rope_style);
-        self.write_kv(x, ctx)?;
+        self.store_kv(k, v, ctx)?;
 
         let q_row = shape.n_heads * hd;
         let mut views = Vec::with_capacity(ctx.batch.seqs.len());
@@ -185,10 +188,17 @@ impl SelfAttention {
     /// rope applied) for the new positions into each sequence's cache. The K/V half of
     /// [`SelfAttention::forward`], callable alone.
     pub fn write_kv(&self, x: &Tensor, ctx: &mut LayerCtx<'_, '_>) -> Result<()> {
+        let [k, v]: [Tensor; 2] = QLinear::forward_many(&[&self.k, &self.v], x)?
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("k/v projections".into()))?;
+        self.store_kv(k, v, ctx)
+    }
+
+    /// Normalises (where the model has a k norm), ropes and stores projected K/V rows.
+    fn store_kv(&self, k: Tensor, v: Tensor, ctx: &mut LayerCtx<'_, '_>) -> Result<()> {
         let shape = ctx.shape;
         let hd = shape.head_dim;
-        let k = self.project(&self.k, self.k_norm.as_ref(), x, shape.n_kv_heads, hd)?;
-        let v = self.v.forward(x)?;
+        let k = Self::norm_heads(k, self.k_norm.as_ref(), shape.n_kv_heads, hd)?;
         let mut k = k.flatten_all()?.to_vec1::<f32>()?;
         let v = v.flatten_all()?.to_vec1::<f32>()?;
         ctx.rope.apply(&mut k, shape.n_kv_heads, self.rope_style);
@@ -202,15 +212,8 @@ impl SelfAttention {
         Ok(())
     }
 
-    fn project(
-        &self,
-        w: &QLinear,
-        norm: Option<&RmsNorm>,
-        x: &Tensor,
-        heads: usize,
-        hd: usize,
-    ) -> Result<Tensor> {
-        let y = w.forward(x)?;
+    /// Per-head RMS norm of projected rows `[tokens, heads * hd]` (Qwen3/Gemma 3's q/k norm).
+    fn norm_heads(y: Tensor, norm: Option<&RmsNorm>, heads: usize, hd: usize) -> Result<Tensor> {
         match norm {
             Some(n) => {
                 let t = y.dim(0)?;
@@ -248,8 +251,9 @@ impl GatedMlp {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _span = tracing::trace_span!("mlp").entered();
-        let gate = self.gate.forward(x)?;
-        let up = self.up.forward(x)?;
+        let [gate, up]: [Tensor; 2] = QLinear::forward_many(&[&self.gate, &self.up], x)?
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("gate/up projections".into()))?;
         let act = match self.activation {
             Activation::Silu => candle_nn::ops::silu(&gate)?,
             Activation::GeluTanh => gate.gelu()?,

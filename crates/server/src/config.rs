@@ -197,6 +197,19 @@ impl Config {
 mod tests {
     use super::*;
 
+    /// The example shipped in the repository parses and names the engine's defaults.
+    #[test]
+    fn the_example_config_parses() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/serve.toml");
+        let cfg = Config::load(&path).unwrap();
+        assert_eq!(cfg.server.port, DEFAULT_PORT);
+        assert_eq!(cfg.server.max_in_flight, DEFAULT_MAX_IN_FLIGHT);
+        assert_eq!(cfg.models.len(), 1);
+        assert_eq!(cfg.models[0].name, switchyard_zoo::DEFAULT_MODEL);
+        assert_eq!(cfg.models[0].memory_budget.as_deref(), Some("2GiB"));
+        assert!(cfg.backends.is_empty());
+    }
+
     #[test]
     fn parses_and_refuses_unknown_keys() {
         let cfg = Config::parse(

@@ -235,31 +235,24 @@ impl PackedWeight {
 
     /// As [`matmul`](Self::matmul) with an explicit instruction set (tests, benchmarks).
     pub fn matmul_at(&self, level: SimdLevel, x: &[f32], rows: usize, out: &mut [f32]) {
-        let _span = tracing::trace_span!("qmatmul", n = self.n, k = self.k, rows).entered();
-        assert_eq!(x.len(), rows * self.k, "activation shape");
-        assert_eq!(out.len(), rows * self.n, "output shape");
-        let acts = QActs::quantize(x, rows, self.k, self.fmt.sub);
-        let panels = self.n.div_ceil(PANEL);
-        let out_ptr = OutPtr(out.as_mut_ptr());
-        let run = |p: usize| {
-            let mut tile = [[0f32; PANEL]; MAX_TILE];
-            let mut i0 = 0;
-            while i0 < rows {
-                let i1 = (i0 + MAX_TILE).min(rows);
-                self.panel(level, p, &acts, i0..i1, &mut tile);
-                let cols = PANEL.min(self.n - p * PANEL);
-                for (t, i) in (i0..i1).enumerate() {
-                    // SAFETY: `out` has rows * n elements; panel p writes only columns
-                    // p*PANEL .. p*PANEL+cols of each row, and no two tasks share a panel.
-                    unsafe { out_ptr.write(i * self.n + p * PANEL, &tile[t][..cols]) };
-                }
-                i0 = i1;
+        matmul_many_at(level, &[self], x, rows, &mut [out]);
+    }
+
+    /// Panel `p` of `rows` activation rows, written into `out` (`[rows, n]`).
+    fn panel_into(&self, level: SimdLevel, p: usize, acts: &QActs, rows: usize, out: &OutPtr) {
+        let mut tile = [[0f32; PANEL]; MAX_TILE];
+        let cols = PANEL.min(self.n - p * PANEL);
+        let mut i0 = 0;
+        while i0 < rows {
+            let i1 = (i0 + MAX_TILE).min(rows);
+            self.panel(level, p, acts, i0..i1, &mut tile);
+            for (t, i) in (i0..i1).enumerate() {
+                // SAFETY: `out` has rows * n elements (checked by the caller); panel p writes
+                // only columns p*PANEL .. p*PANEL+cols of each row, and no two tasks share a
+                // panel of the same output.
+                unsafe { out.write(i * self.n + p * PANEL, &tile[t][..cols]) };
             }
-        };
-        if rows * self.n * self.k < PARALLEL_MIN_MACS {
-            (0..panels).for_each(run);
-        } else {
-            (0..panels).into_par_iter().for_each(run);
+            i0 = i1;
         }
     }
 
@@ -280,6 +273,68 @@ impl PackedWeight {
             SimdLevel::Avx2 => unsafe { avx2::panel(self, p, acts, rows, tile) },
             _ => scalar::panel(self, p, acts, rows, tile),
         }
+    }
+}
+
+/// Products of one activation matrix with several weights (a layer's q/k/v, or gate/up):
+/// `outs[i] = x * ws[i]^T`. Weights that share the input width and sub-block length share one
+/// quantization of `x` and one parallel loop over all their panels, which saves a
+/// quantization and a thread hand-off per extra weight (most of a decode step's overhead on
+/// small models). Each output equals `ws[i].matmul(x, rows, outs[i])` bit for bit.
+pub fn matmul_many(ws: &[&PackedWeight], x: &[f32], rows: usize, outs: &mut [&mut [f32]]) {
+    matmul_many_at(simd_level(), ws, x, rows, outs)
+}
+
+/// As [`matmul_many`] with an explicit instruction set (tests, benchmarks).
+pub fn matmul_many_at(
+    level: SimdLevel,
+    ws: &[&PackedWeight],
+    x: &[f32],
+    rows: usize,
+    outs: &mut [&mut [f32]],
+) {
+    assert_eq!(ws.len(), outs.len(), "one output per weight");
+    let Some(first) = ws.first() else {
+        return;
+    };
+    if ws
+        .iter()
+        .any(|w| w.k != first.k || w.fmt.sub != first.fmt.sub)
+    {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            matmul_many_at(level, &[w], x, rows, &mut [out]);
+        }
+        return;
+    }
+    let _span = tracing::trace_span!(
+        "qmatmul",
+        n = ws.iter().map(|w| w.n).sum::<usize>(),
+        k = first.k,
+        rows
+    )
+    .entered();
+    assert_eq!(x.len(), rows * first.k, "activation shape");
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        assert_eq!(out.len(), rows * w.n, "output shape");
+    }
+    let acts = QActs::quantize(x, rows, first.k, first.fmt.sub);
+    // Panel g of the whole group lies in weight i where starts[i] <= g < starts[i + 1].
+    let mut starts = Vec::with_capacity(ws.len() + 1);
+    starts.push(0);
+    for w in ws {
+        starts.push(starts[starts.len() - 1] + w.n.div_ceil(PANEL));
+    }
+    let total = starts[ws.len()];
+    let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
+    let run = |g: usize| {
+        let i = starts.partition_point(|&s| s <= g) - 1;
+        ws[i].panel_into(level, g - starts[i], &acts, rows, &ptrs[i]);
+    };
+    let macs: usize = ws.iter().map(|w| rows * w.n * w.k).sum();
+    if macs < PARALLEL_MIN_MACS {
+        (0..total).for_each(run);
+    } else {
+        (0..total).into_par_iter().for_each(run);
     }
 }
 

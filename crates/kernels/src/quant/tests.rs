@@ -128,3 +128,61 @@ fn packed_size_matches_ggml() {
         }
     }
 }
+
+/// Several weights multiplied together (one activation quantization, one parallel loop) give
+/// each weight's own product bit for bit, also when their sub-blocks differ (Q4_1's 32 vs
+/// Q4_K's 32-of-256 vs Q6_K's 16) and the group falls back to separate products.
+#[test]
+fn grouped_products_equal_separate_products() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let k = 512;
+    let groups: [&[(GgmlDType, usize)]; 3] = [
+        &[
+            (GgmlDType::Q4_1, 576),
+            (GgmlDType::Q4_1, 192),
+            (GgmlDType::Q4_1, 200),
+        ],
+        &[
+            (GgmlDType::Q8_0, 40),
+            (GgmlDType::Q4_0, 33),
+            (GgmlDType::Q5_0, 16),
+        ],
+        &[
+            (GgmlDType::Q4K, 48),
+            (GgmlDType::Q6K, 17),
+            (GgmlDType::Q8_0, 64),
+        ],
+    ];
+    for group in groups {
+        let ws: Vec<PackedWeight> = group
+            .iter()
+            .enumerate()
+            .map(|(i, &(dtype, n))| {
+                PackedWeight::from_qtensor(&quantized(dtype, n, k, 100 + i as u64))
+                    .unwrap()
+                    .unwrap()
+            })
+            .collect();
+        let refs: Vec<&PackedWeight> = ws.iter().collect();
+        for rows in [1, 3, 9] {
+            let x = random(&mut rng, rows * k);
+            for level in available_levels() {
+                let mut outs: Vec<Vec<f32>> =
+                    ws.iter().map(|w| vec![0f32; rows * w.rows()]).collect();
+                let mut views: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
+                matmul_many_at(level, &refs, &x, rows, &mut views);
+                for (w, got) in ws.iter().zip(&outs) {
+                    let mut want = vec![0f32; rows * w.rows()];
+                    w.matmul_at(SimdLevel::Scalar, &x, rows, &mut want);
+                    assert_eq!(
+                        got,
+                        &want,
+                        "{:?} n {} rows {rows} {level:?}",
+                        w.dtype(),
+                        w.rows()
+                    );
+                }
+            }
+        }
+    }
+}
