@@ -69,6 +69,12 @@ pub struct TokenOutput {
     pub token: Option<u32>,
     /// The sampled token's log-probability under the model (0 when nothing was sampled).
     pub logprob: f32,
+    /// Exit confidence at the serving depth: the largest softmax probability of the exit
+    /// logits (0 when nothing was sampled).
+    pub confidence: f32,
+    /// With an [`ExitProbe`] set: the first probed depth below the serving depth whose
+    /// confidence passed the probe's threshold (`None` when none did, or without a probe).
+    pub probe_exit: Option<u16>,
     pub finish: Option<FinishReason>,
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: usize,
@@ -83,6 +89,8 @@ pub struct StepResult {
     /// Sequences and tokens that ran.
     pub batch: usize,
     pub tokens: usize,
+    /// The depth the step ran at.
+    pub depth: usize,
 }
 
 /// Memory in use by category, in bytes.
@@ -136,6 +144,17 @@ impl EngineStats {
     }
 }
 
+/// Exits to test below the serving depth, for measuring an exit-depth distribution while
+/// serving (HELIOS's online evaluation). Each probed depth costs one more exit head per
+/// sampled row; the served tokens do not change (the forward is only split at the probes).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ExitProbe {
+    /// Depths to test, increasing; those at or above the serving depth are skipped.
+    pub depths: Vec<usize>,
+    /// A depth passes when its largest softmax probability is at least this.
+    pub threshold: f32,
+}
+
 /// Per-request state the scheduler does not hold.
 struct Request {
     sampler: Sampler,
@@ -154,6 +173,7 @@ pub struct EngineCore {
     /// Layers being loaded and the bytes reserved for each.
     loading: Option<Vec<(usize, u64)>>,
     load_times: Vec<LayerLoadTime>,
+    probe: Option<ExitProbe>,
 }
 
 impl std::fmt::Debug for EngineCore {
@@ -223,6 +243,7 @@ impl EngineCore {
             block_bytes,
             loading: None,
             load_times: Vec::new(),
+            probe: None,
         })
     }
 
@@ -280,6 +301,7 @@ impl EngineCore {
         let mut result = StepResult {
             batch: plan.scheduled.len(),
             tokens: plan.total_tokens(),
+            depth: self.depth(),
             ..StepResult::default()
         };
         for (id, end) in &plan.ended {
@@ -289,6 +311,8 @@ impl EngineCore {
                     id: *id,
                     token: None,
                     logprob: 0.0,
+                    confidence: 0.0,
+                    probe_exit: None,
                     finish: Some(reason),
                     cached_tokens: 0,
                 }),
@@ -311,10 +335,11 @@ impl EngineCore {
             return result;
         }
         match self.run(&plan) {
-            Ok(sampled) => {
+            Ok((sampled, exits)) => {
                 let logprobs: HashMap<RequestId, f32> =
                     sampled.iter().map(|t| (t.id, t.logprob)).collect();
                 for u in self.scheduler.update_from_output(&plan, &sampled) {
+                    let exit = exits.get(&u.id).copied().unwrap_or_default();
                     let cached_tokens = self
                         .scheduler
                         .sequence(u.id)
@@ -326,6 +351,8 @@ impl EngineCore {
                         id: u.id,
                         token: u.token,
                         logprob: logprobs.get(&u.id).copied().unwrap_or(0.0),
+                        confidence: exit.confidence,
+                        probe_exit: exit.probe_exit,
                         finish: u.finish,
                         cached_tokens,
                     });
@@ -347,8 +374,11 @@ impl EngineCore {
         result
     }
 
-    /// The batched forward of a plan and the sampled tokens.
-    fn run(&mut self, plan: &SchedulerOutput) -> Result<Vec<SampledToken>> {
+    /// The batched forward of a plan, the sampled tokens and their exit confidences.
+    fn run(
+        &mut self,
+        plan: &SchedulerOutput,
+    ) -> Result<(Vec<SampledToken>, HashMap<RequestId, ExitSeen>)> {
         let depth = self.scheduler.depth();
         let mut tokens = Vec::with_capacity(plan.total_tokens());
         let mut rows: Vec<(RequestId, u32)> = Vec::new();
@@ -362,6 +392,23 @@ impl EngineCore {
                 rows.push((s.id, (tokens.len() - 1) as u32));
             }
         }
+        let idx: Vec<u32> = rows.iter().map(|r| r.1).collect();
+        let n_rows = idx.len();
+        let idx = (n_rows > 0)
+            .then(|| Tensor::from_vec(idx, n_rows, self.model.device()))
+            .transpose()?;
+        let (probes, threshold) = match (&self.probe, &idx) {
+            (Some(p), Some(_)) => (
+                p.depths
+                    .iter()
+                    .copied()
+                    .filter(|&d| d > 0 && d < depth)
+                    .collect::<Vec<_>>(),
+                p.threshold,
+            ),
+            _ => (Vec::new(), 1.0),
+        };
+        let mut probe_exit: Vec<Option<u16>> = vec![None; n_rows];
         let hidden = {
             let _span = tracing::debug_span!("forward", tokens = tokens.len()).entered();
             let mut views: Vec<RerunKv<'_>> = self
@@ -386,15 +433,32 @@ impl EngineCore {
                 })
                 .collect();
             let mut batch = ForwardBatch::new(chunks);
-            let x = self.model.embed(&tokens)?;
-            self.model.forward_layers(x, 0..depth, &mut batch)?
+            let mut x = self.model.embed(&tokens)?;
+            // Split only at the probes that apply; layers are independent of where the
+            // range is cut, so the served tokens are those of one unsplit forward.
+            let mut start = 0;
+            for &d in probes.iter() {
+                x = self.model.forward_layers(x, start..d, &mut batch)?;
+                start = d;
+                if let Some(idx) = &idx {
+                    let picked = x.index_select(idx, 0)?;
+                    let logits = self
+                        .exit
+                        .exit_logits(&self.model, &picked, d)?
+                        .to_dtype(DType::F32)?
+                        .to_vec2::<f32>()?;
+                    for (slot, row) in probe_exit.iter_mut().zip(&logits) {
+                        if slot.is_none() && max_prob(row) >= threshold {
+                            *slot = u16::try_from(d).ok();
+                        }
+                    }
+                }
+            }
+            self.model.forward_layers(x, start..depth, &mut batch)?
         };
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let idx: Vec<u32> = rows.iter().map(|r| r.1).collect();
-        let n_rows = idx.len();
-        let idx = Tensor::from_vec(idx, n_rows, self.model.device())?;
+        let Some(idx) = idx else {
+            return Ok((Vec::new(), HashMap::new()));
+        };
         let picked = hidden.index_select(&idx, 0)?;
         let logits = self
             .exit
@@ -403,7 +467,8 @@ impl EngineCore {
             .to_vec2::<f32>()?;
         let _span = tracing::debug_span!("sample", rows = rows.len()).entered();
         let mut sampled = Vec::with_capacity(rows.len());
-        for ((id, _), row) in rows.iter().zip(&logits) {
+        let mut exits = HashMap::with_capacity(rows.len());
+        for (((id, _), row), probe_exit) in rows.iter().zip(&logits).zip(probe_exit) {
             let (Some(seq), Some(req)) = (self.scheduler.sequence(*id), self.requests.get_mut(id))
             else {
                 continue;
@@ -416,8 +481,21 @@ impl EngineCore {
                 logprob: s.logprob,
                 end_of_generation: self.end_of_generation.contains(&token),
             });
+            exits.insert(
+                *id,
+                ExitSeen {
+                    confidence: max_prob(row),
+                    probe_exit,
+                },
+            );
         }
-        Ok(sampled)
+        Ok((sampled, exits))
+    }
+
+    /// Tests `probe`'s exits below the serving depth on every sampled row from the next step
+    /// on (`None`: no probing, the default).
+    pub fn set_probe(&mut self, probe: Option<ExitProbe>) {
+        self.probe = probe;
     }
 
     /// Runs layers `0..depth` from the next step on (they must be resident). Lowering the
@@ -659,6 +737,24 @@ impl EngineCore {
             prefix_cache_hit_rate: cache.hit_rate(),
             layer_loads: self.load_times.clone(),
         }
+    }
+}
+
+/// What the exit heads said about one sampled row.
+#[derive(Debug, Clone, Copy, Default)]
+struct ExitSeen {
+    confidence: f32,
+    probe_exit: Option<u16>,
+}
+
+/// The largest softmax probability of `logits` (HELIOS's and EE-LLM's exit confidence).
+pub fn max_prob(logits: &[f32]) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let z: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
+    if z > 0.0 && z.is_finite() {
+        (1.0 / z) as f32
+    } else {
+        0.0
     }
 }
 

@@ -19,7 +19,9 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 
 use switchyard_models::LayeredModel;
 
-use crate::core::{end_of_generation_tokens, EngineConfig, EngineCore, EngineRequest, EngineStats};
+use crate::core::{
+    end_of_generation_tokens, EngineConfig, EngineCore, EngineRequest, EngineStats, ExitProbe,
+};
 use crate::output::{Completion, OutputProcessor, OutputSink, RequestOutput};
 use crate::residency::{LoadReport, LoadedLayer};
 use crate::{EngineError, RequestId, Result};
@@ -59,6 +61,9 @@ enum Command {
     DropLayers {
         keep: usize,
         reply: oneshot::Sender<Result<LoadReport>>,
+    },
+    SetProbe {
+        probe: Option<ExitProbe>,
     },
     Stats {
         reply: oneshot::Sender<Result<EngineStats>>,
@@ -238,6 +243,12 @@ impl EngineHandle {
         self.ask(|reply| Command::DropLayers { keep, reply })
     }
 
+    /// Tests `probe`'s exits below the serving depth from the next step on (`None`: stop).
+    /// Outputs then carry each token's first passing probed exit.
+    pub fn set_probe(&self, probe: Option<ExitProbe>) {
+        let _ = self.tx.send(Command::SetProbe { probe });
+    }
+
     pub fn stats(&self) -> Pending<EngineStats> {
         self.ask(|reply| Command::Stats { reply })
     }
@@ -369,6 +380,7 @@ impl Server<'_> {
             Command::DropLayers { keep, reply } => {
                 let _ = reply.send(self.core.drop_layers(keep));
             }
+            Command::SetProbe { probe } => self.core.set_probe(probe),
             Command::Stats { reply } => {
                 let _ = reply.send(Ok(self.core.stats()));
             }

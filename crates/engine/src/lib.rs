@@ -29,8 +29,8 @@ pub mod score;
 pub mod stop;
 
 pub use crate::core::{
-    end_of_generation_tokens, EngineConfig, EngineCore, EngineRequest, EngineStats, MemoryStats,
-    StepResult, TokenOutput, DEFAULT_MEMORY_BUDGET,
+    end_of_generation_tokens, max_prob, EngineConfig, EngineCore, EngineRequest, EngineStats,
+    ExitProbe, MemoryStats, StepResult, TokenOutput, DEFAULT_MEMORY_BUDGET,
 };
 pub use exit::{ExitHead, LogitLens};
 pub use generate::{generate, Generation, GenerationTiming};

@@ -27,6 +27,12 @@ pub struct RequestOutput {
     pub token_ids: Vec<u32>,
     /// Their log-probabilities under the model.
     pub logprobs: Vec<f32>,
+    /// Their exit confidences at the serving depth (largest softmax probability).
+    pub confidences: Vec<f32>,
+    /// Their first passing probed exit, with an exit probe set (see `ExitProbe`).
+    pub probe_exits: Vec<Option<u16>>,
+    /// The depth the engine served at when these tokens were produced.
+    pub depth: usize,
     /// New text (may be empty while a character or a possible stop string is incomplete).
     pub text: String,
     /// Set on the last output of the request.
@@ -50,6 +56,8 @@ pub struct Completion {
     pub id: RequestId,
     pub token_ids: Vec<u32>,
     pub logprobs: Vec<f32>,
+    pub confidences: Vec<f32>,
+    pub probe_exits: Vec<Option<u16>>,
     pub text: String,
     pub finish_reason: FinishReason,
     pub prompt_tokens: usize,
@@ -70,6 +78,8 @@ impl Completion {
                 id: o.id,
                 token_ids: Vec::new(),
                 logprobs: Vec::new(),
+                confidences: Vec::new(),
+                probe_exits: Vec::new(),
                 text: String::new(),
                 finish_reason: FinishReason::Abort,
                 prompt_tokens: o.prompt_tokens,
@@ -81,6 +91,8 @@ impl Completion {
             });
             c.token_ids.extend_from_slice(&o.token_ids);
             c.logprobs.extend_from_slice(&o.logprobs);
+            c.confidences.extend_from_slice(&o.confidences);
+            c.probe_exits.extend_from_slice(&o.probe_exits);
             c.text.push_str(&o.text);
             c.cached_tokens = o.cached_tokens;
             c.first_token_at = o.first_token_at;
@@ -130,6 +142,8 @@ struct Tracked<'t> {
 pub struct OutputProcessor<'t> {
     tokenizer: &'t Tokenizer,
     requests: HashMap<RequestId, Tracked<'t>>,
+    /// The depth of the latest step processed.
+    depth: usize,
 }
 
 impl<'t> OutputProcessor<'t> {
@@ -137,6 +151,7 @@ impl<'t> OutputProcessor<'t> {
         Self {
             tokenizer,
             requests: HashMap::new(),
+            depth: 0,
         }
     }
 
@@ -199,6 +214,8 @@ impl<'t> OutputProcessor<'t> {
                 id,
                 token: None,
                 logprob: 0.0,
+                confidence: 0.0,
+                probe_exit: None,
                 finish: Some(reason),
                 cached_tokens: 0,
             },
@@ -210,6 +227,7 @@ impl<'t> OutputProcessor<'t> {
     /// must drop from the core.
     pub fn process(&mut self, step: StepResult) -> Vec<RequestId> {
         let now = Instant::now();
+        self.depth = step.depth;
         for (id, e) in step.failed {
             self.fail(id, e);
         }
@@ -230,6 +248,8 @@ impl<'t> OutputProcessor<'t> {
         let mut stopped = false;
         let mut token_ids = Vec::new();
         let mut logprobs = Vec::new();
+        let mut confidences = Vec::new();
+        let mut probe_exits = Vec::new();
         if o.token.is_some() || o.finish == Some(FinishReason::Stop) {
             t.first_token_at.get_or_insert(now);
         }
@@ -237,6 +257,8 @@ impl<'t> OutputProcessor<'t> {
         if let Some(tok) = o.token {
             token_ids.push(tok);
             logprobs.push(o.logprob);
+            confidences.push(o.confidence);
+            probe_exits.push(o.probe_exit);
             t.output_tokens += 1;
             match t.decoder.push(tok) {
                 Ok(Some(piece)) => stopped = push_text(&mut t.stop, &piece, &mut text),
@@ -259,6 +281,9 @@ impl<'t> OutputProcessor<'t> {
             id: o.id,
             token_ids,
             logprobs,
+            confidences,
+            probe_exits,
+            depth: self.depth,
             text,
             finish_reason: finish,
             prompt_tokens: t.prompt_tokens,

@@ -405,3 +405,68 @@ fn prompts_that_can_never_run_are_refused_with_a_clear_error() {
     add(&mut core, 2, 160).expect("160 positions fit");
     assert_eq!(core.stats().waiting, 1);
 }
+
+/// An exit probe splits the forward at the probed depths: the served tokens and
+/// log-probabilities stay bit for bit those of the unprobed engine; the confidence is the
+/// sampled token's probability under greedy sampling; each probed exit is the first probed
+/// depth whose own greedy step (run alone) is at least the threshold confident.
+#[test]
+fn exit_probes_report_confidences_without_changing_the_tokens() {
+    const PROBES: [usize; 2] = [10, 20];
+    const THRESHOLD: f32 = 0.3;
+    let src = source();
+    let model = load(&src, None);
+    let prompt = fixed_tokens(24, 3);
+    let n = 10;
+    let (want, want_lp) = alone(&model, &prompt, n, 30);
+    // The confidence at each probe of each generated position, computed directly: the
+    // prompt plus the served tokens so far, layers 0..depth, the logit lens.
+    let mut want_exit = Vec::new();
+    for i in 0..n {
+        let mut ctx = prompt.clone();
+        ctx.extend_from_slice(&want[..i]);
+        let exit = PROBES.iter().copied().find(|&d| {
+            let mut kv = DenseKv::new(model.n_layers(), model.spec().kv_row_len());
+            let logits = last_logits_at_depth(&model, &mut kv, 0, &ctx, d).expect("probe");
+            switchyard_engine::max_prob(&logits) >= THRESHOLD
+        });
+        want_exit.push(exit.map(|d| d as u16));
+    }
+    let mut core = EngineCore::new(model, Vec::new(), config(64, false)).expect("engine");
+    core.set_probe(Some(switchyard_engine::ExitProbe {
+        depths: PROBES.to_vec(),
+        threshold: THRESHOLD,
+    }));
+    core.add_request(
+        RequestId(0),
+        EngineRequest {
+            prompt,
+            params: greedy(n),
+        },
+    )
+    .expect("add");
+    let (mut tokens, mut logprobs, mut confidences, mut exits) = (vec![], vec![], vec![], vec![]);
+    while core.has_work() {
+        let r = core.step();
+        assert_eq!(r.depth, 30);
+        for o in r.outputs {
+            if let Some(t) = o.token {
+                tokens.push(t);
+                logprobs.push(o.logprob);
+                confidences.push(o.confidence);
+                exits.push(o.probe_exit);
+            }
+        }
+    }
+    assert_eq!(tokens, want);
+    assert_bits(&logprobs, &want_lp, "probed");
+    for (c, lp) in confidences.iter().zip(&logprobs) {
+        assert!(
+            (c - lp.exp()).abs() < 1e-5,
+            "confidence {c} vs exp(logprob) {}",
+            lp.exp()
+        );
+    }
+    assert_eq!(exits, want_exit);
+    eprintln!("probed exits: {exits:?}");
+}
