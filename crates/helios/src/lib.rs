@@ -11,13 +11,17 @@
 //! * [`policy`]: the decisions, as pure functions and small state machines: TopK candidates
 //!   under the SLO and memory budget, the online-evaluation plan, the depth from an exit
 //!   histogram, the Confidence Breach Counter, extend vs switch, re-profiling every RI
-//!   requests and the drift detector.
+//!   requests and the drift detector;
+//! * [`orchestrator`]: the loop over real traffic and candidate engines: online evaluation
+//!   into the PHT, greedy partial load, breach remedies (extend or switch), re-profiling.
 //!
 //! Architecture invariant: the policy never touches a model, a clock or a thread; it reads
 //! features and telemetry and returns a decision, so every rule is tested without a model.
-//! Only [`profile`] runs models, through the layered-model contract and the exit heads.
+//! Only [`profile`] runs models, through the layered-model contract and the exit heads, and
+//! only [`orchestrator`] drives engines.
 
 pub mod manifest;
+pub mod orchestrator;
 pub mod pht;
 pub mod policy;
 pub mod profile;
@@ -65,6 +69,8 @@ pub enum HeliosError {
     },
     #[error("cannot profile: {0}")]
     Profile(String),
+    #[error("orchestrator: {0}")]
+    Orchestrator(String),
 }
 
 pub type Result<T> = std::result::Result<T, HeliosError>;
