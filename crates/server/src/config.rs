@@ -30,6 +30,9 @@ pub struct Config {
     pub models: Vec<ModelSection>,
     #[serde(default)]
     pub backends: Vec<BackendSection>,
+    /// HELIOS: several local models served under one name (see [`HeliosSection`]).
+    #[serde(default)]
+    pub helios: Option<HeliosSection>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -76,6 +79,36 @@ pub struct ModelSection {
     pub max_num_seqs: Option<usize>,
     pub prefix_caching: Option<bool>,
     pub chunked_prefill: Option<bool>,
+}
+
+/// The HELIOS orchestrator over the local models of a repository, served as one model name.
+///
+/// ```toml
+/// [helios]
+/// name = "helios"                  # the name clients ask for
+/// manifest = "models.toml"         # the repository, `switchyard profile` telemetry
+/// memory_budget = "4GiB"           # shared equally by the candidate engines
+/// slo = { objective = "throughput", max_bits_per_byte_increase = 0.3 }
+/// policy = { top_k = 3, eval_requests = 5, reprofile_interval = 150 }
+/// ```
+///
+/// Each candidate engine uses its calibrated exit heads when the manifest says `exit_heads =
+/// "tuned"` (the file beside the model), the logit lens otherwise.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct HeliosSection {
+    pub name: String,
+    /// Path of the repository manifest (TOML).
+    pub manifest: String,
+    /// Total bytes for all candidates, e.g. "4GiB" (default: the engine default per
+    /// candidate); each candidate engine gets an equal share and the policy fits candidates
+    /// to that share.
+    pub memory_budget: Option<String>,
+    #[serde(default)]
+    pub slo: switchyard_helios::policy::Slo,
+    /// The policy's tunables; every default is HELIOS's.
+    #[serde(default)]
+    pub policy: switchyard_helios::policy::PolicyConfig,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -155,12 +188,20 @@ impl Config {
                 chunked_prefill: None,
             }],
             backends: Vec::new(),
+            helios: None,
         }
     }
 
     fn check(&self) -> Result<(), ConfigError> {
         let mut names: Vec<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
         names.extend(self.backends.iter().map(|b| b.name.as_str()));
+        if let Some(h) = &self.helios {
+            names.push(h.name.as_str());
+            h.slo
+                .validate()
+                .and_then(|()| h.policy.validate())
+                .map_err(|e| ConfigError::Invalid(format!("[helios]: {e}")))?;
+        }
         if names.is_empty() {
             return Err(ConfigError::Invalid(
                 "the configuration serves no model: add a [[models]] or [[backends]] entry".into(),
@@ -208,6 +249,32 @@ mod tests {
         assert_eq!(cfg.models[0].name, switchyard_zoo::DEFAULT_MODEL);
         assert_eq!(cfg.models[0].memory_budget.as_deref(), Some("2GiB"));
         assert!(cfg.backends.is_empty());
+    }
+
+    #[test]
+    fn the_helios_section_parses_validates_and_refuses_unknown_keys() {
+        let cfg = Config::parse(
+            r#"
+            [helios]
+            name = "helios"
+            manifest = "models.toml"
+            memory_budget = "4GiB"
+            slo = { objective = "latency", tpot_ms = 50.0 }
+            policy = { top_k = 2, eval_requests = 3, reprofile_interval = 50 }
+            "#,
+        )
+        .unwrap();
+        let h = cfg.helios.unwrap();
+        assert_eq!((h.policy.top_k, h.policy.eval_requests), (2, 3));
+        assert_eq!((h.policy.reprofile_interval, h.policy.cbc_max), (50, 50));
+        assert_eq!(h.slo.tpot_ms, Some(50.0));
+        let typo = "[helios]\nname = \"h\"\nmanifest = \"m\"\nbudget = \"1GiB\"";
+        assert!(Config::parse(typo).is_err());
+        let bad = "[helios]\nname = \"h\"\nmanifest = \"m\"\npolicy = { cbc_max = 100 }";
+        let e = Config::parse(bad).unwrap_err().to_string();
+        assert!(e.contains("cbc_max"), "{e}");
+        let twice = "[helios]\nname = \"m\"\nmanifest = \"x\"\n[[models]]\nname = \"m\"";
+        assert!(Config::parse(twice).is_err());
     }
 
     #[test]

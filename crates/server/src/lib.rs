@@ -10,6 +10,7 @@ pub mod api;
 pub mod auth;
 pub mod config;
 pub mod error;
+pub mod helios;
 pub mod local;
 pub mod metrics;
 pub mod remote;
@@ -66,7 +67,8 @@ pub fn router(state: Arc<AppState>) -> Router {
     if state.config.admin {
         protected = protected
             .route("/admin/stats", get(routes::admin_stats))
-            .route("/admin/depth", post(routes::admin_depth));
+            .route("/admin/depth", post(routes::admin_depth))
+            .route("/admin/pht", get(routes::admin_pht));
     }
     let protected = protected.route_layer(axum::middleware::from_fn_with_state(
         state.clone(),
@@ -89,6 +91,14 @@ pub async fn build_state(cfg: &Config) -> Result<Arc<AppState>, ServerError> {
             .map_err(|e| ServerError::Io(std::io::Error::other(e.to_string())))??;
         tracing::info!(model = %m.name, "engine started");
         models.insert(section.name.clone(), Served::Local(Arc::new(m)));
+    }
+    if let Some(section) = &cfg.helios {
+        let s = section.clone();
+        let h = tokio::task::spawn_blocking(move || helios::HeliosModel::start(&s))
+            .await
+            .map_err(|e| ServerError::Io(std::io::Error::other(e.to_string())))??;
+        tracing::info!(model = %h.name, candidates = ?h.orchestrator.candidates(), "HELIOS started");
+        models.insert(section.name.clone(), Served::Helios(Arc::new(h)));
     }
     for b in &cfg.backends {
         let r = Arc::new(RemoteModel::new(b).map_err(|e| ServerError::Backend {
@@ -145,8 +155,16 @@ pub async fn serve(
         }
     }
     for s in state.models.values() {
-        if let Served::Local(m) = s {
-            let _ = m.handle.shutdown().recv().await;
+        match s {
+            Served::Local(m) => {
+                let _ = m.handle.shutdown().recv().await;
+            }
+            Served::Helios(h) => {
+                for e in &h.engines {
+                    let _ = e.shutdown().recv().await;
+                }
+            }
+            Served::Remote(_) => {}
         }
     }
     Ok(())

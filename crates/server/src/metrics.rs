@@ -37,6 +37,8 @@ pub struct Metrics {
     prefix_tokens: CounterVec,
     depth: GaugeVec,
     preemptions: GaugeVec,
+    helios_decisions: GaugeVec,
+    helios_seconds: GaugeVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -150,7 +152,42 @@ impl Metrics {
                 "Sequences preempted (and recomputed later) since start",
                 &["model"],
             ),
+            helios_decisions: gauge(
+                "switchyard_helios_decisions",
+                "HELIOS decisions since start, by kind (profile, reprofile, extend, switch, cbc_fired, switch_drained)",
+                &["model", "kind"],
+            ),
+            helios_seconds: gauge(
+                "switchyard_helios_decision_seconds",
+                "Seconds HELIOS decisions cost since start, by kind (profile, extend, switch)",
+                &["model", "kind"],
+            ),
             registry,
+        }
+    }
+
+    /// Copies the HELIOS orchestrator's decision counters into the gauges.
+    pub fn observe_helios(&self, model: &str, c: &switchyard_helios::orchestrator::Counters) {
+        for (kind, v) in [
+            ("profile", c.profiles),
+            ("reprofile", c.reprofiles),
+            ("drift_reprofile", c.drift_reprofiles),
+            ("extend", c.extends),
+            ("switch", c.switches),
+            ("cbc_fired", c.cbc_fired),
+            ("switch_drained", c.switch_drained),
+            ("switch_moved", c.switch_moved),
+        ] {
+            self.helios_decisions
+                .with_label_values(&[model, kind])
+                .set(v as f64);
+        }
+        for (kind, v) in [
+            ("profile", c.profile_seconds),
+            ("extend", c.extend_seconds),
+            ("switch", c.switch_seconds),
+        ] {
+            self.helios_seconds.with_label_values(&[model, kind]).set(v);
         }
     }
 

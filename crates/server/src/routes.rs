@@ -22,6 +22,7 @@ use crate::api::{
     ModelCard, ModelList, Usage,
 };
 use crate::error::ApiError;
+use crate::helios::HeliosModel;
 use crate::local::{finish_str, Admission, Finished, LocalModel};
 use crate::state::{AppState, Served};
 use crate::validate::{self, Endpoint, ValidRequest};
@@ -111,7 +112,108 @@ async fn generate_inner(
             let resp = r.forward(&req, admission).await.map_err(fail)?;
             Ok((name, resp))
         }
+        Served::Helios(h) => {
+            let hreq = h.prepare(&req).map_err(fail)?;
+            let _admission = h.admit(state.config.max_in_flight).map_err(fail)?;
+            let timeout = Duration::from_secs(state.config.request_timeout_s);
+            let resp = helios_response(state, &h, &req, hreq, timeout)
+                .await
+                .map_err(fail)?;
+            Ok((name, resp))
+        }
     }
+}
+
+/// Runs a request through the HELIOS orchestrator and responds once; the response's `model`
+/// is the HELIOS name, and the serving candidate is in the `x-switchyard-served-by` header.
+async fn helios_response(
+    state: &Arc<AppState>,
+    h: &Arc<HeliosModel>,
+    req: &ValidRequest,
+    hreq: switchyard_helios::orchestrator::HeliosRequest,
+    timeout: Duration,
+) -> Result<Response, ApiError> {
+    let internal = |e: switchyard_helios::HeliosError| ApiError::Internal(e.to_string());
+    let mut stream = h.orchestrator.submit(hreq).map_err(internal)?;
+    let mut outputs: Vec<RequestOutput> = Vec::new();
+    let mut served_by = String::new();
+    let collect = async {
+        while let Some(o) = stream.next().await {
+            let o = o.map_err(|e| match e {
+                switchyard_helios::HeliosError::Engine(e) => ApiError::from(e),
+                other => ApiError::Internal(other.to_string()),
+            })?;
+            served_by = o.model.to_string();
+            let last = o.output.finish_reason.is_some();
+            outputs.push(o.output);
+            if last {
+                return Ok(());
+            }
+        }
+        Err(ApiError::ShuttingDown)
+    };
+    match tokio::time::timeout(timeout, collect).await {
+        Ok(r) => r?,
+        Err(_) => {
+            state
+                .metrics
+                .aborted
+                .with_label_values(&[&h.name, "timeout"])
+                .inc();
+            return Err(ApiError::Timeout(timeout.as_secs()));
+        }
+    }
+    let last = outputs
+        .last()
+        .ok_or_else(|| ApiError::Internal("the orchestrator returned no output".into()))?;
+    let finished = Finished::from_output(last);
+    record(state, &h.name, &finished);
+    let finish = last.finish_reason.map(finish_str).map(str::to_string);
+    let text: String = outputs.iter().map(|o| o.text.as_str()).collect();
+    let usage = Usage::new(
+        finished.prompt_tokens,
+        finished.output_tokens,
+        finished.cached_tokens,
+    );
+    let id = format!("{}-h{}", prefix(req.endpoint), last.id);
+    let created = now_secs();
+    let mut resp = match req.endpoint {
+        Endpoint::Completions => Json(CompletionResponse {
+            id,
+            object: "text_completion".into(),
+            created,
+            model: req.model.clone(),
+            choices: vec![CompletionChoice {
+                index: 0,
+                text,
+                logprobs: None,
+                finish_reason: finish,
+            }],
+            usage: Some(usage),
+        })
+        .into_response(),
+        Endpoint::Chat => Json(ChatResponse {
+            id,
+            object: "chat.completion".into(),
+            created,
+            model: req.model.clone(),
+            choices: vec![ChatChoice {
+                index: 0,
+                message: ChatMessageOut {
+                    role: "assistant".into(),
+                    content: text,
+                },
+                logprobs: None,
+                finish_reason: finish,
+            }],
+            usage,
+        })
+        .into_response(),
+    };
+    if let Ok(v) = header::HeaderValue::from_str(&served_by) {
+        resp.headers_mut().insert("x-switchyard-served-by", v);
+    }
+    Ok(resp)
 }
 
 fn record(state: &AppState, model: &str, f: &Finished) {
@@ -470,10 +572,12 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
             owned_by: match s {
                 Served::Local(_) => "switchyard".into(),
                 Served::Remote(_) => "remote".into(),
+                Served::Helios(_) => "switchyard-helios".into(),
             },
             max_model_len: match s {
                 Served::Local(m) => Some(m.info.context_length),
                 Served::Remote(_) => None,
+                Served::Helios(h) => Some(h.context_length),
             },
         })
         .collect();
@@ -517,6 +621,18 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
                     .with_label_values(&[name])
                     .set(r.in_flight() as f64);
             }
+            Served::Helios(h) => {
+                state
+                    .metrics
+                    .in_flight
+                    .with_label_values(&[name])
+                    .set(h.in_flight() as f64);
+                if let Ok(Ok(s)) =
+                    tokio::time::timeout(Duration::from_secs(2), h.orchestrator.stats()).await
+                {
+                    state.metrics.observe_helios(name, &s.counters);
+                }
+            }
         }
     }
     (
@@ -541,6 +657,10 @@ pub async fn admin_stats(State(state): State<Arc<AppState>>) -> Response {
             Served::Remote(r) => {
                 json!({"remote": true, "healthy": r.is_healthy(), "in_flight": r.in_flight()})
             }
+            Served::Helios(h) => match h.orchestrator.stats().await {
+                Ok(stats) => serde_json::to_value(stats).unwrap_or(Value::Null),
+                Err(e) => json!({"error": e.to_string()}),
+            },
         };
         out.insert(name.clone(), v);
     }
@@ -579,6 +699,10 @@ pub async fn admin_depth(State(state): State<Arc<AppState>>, body: Body) -> Resp
                 "model",
                 "remote models have no depth here",
             )),
+            Some(Served::Helios(_)) => Err(ApiError::unsupported(
+                "model",
+                "the HELIOS orchestrator chooses its own depth",
+            )),
             None => Err(ApiError::UnknownModel(name.to_string())),
         }
     }
@@ -587,4 +711,18 @@ pub async fn admin_depth(State(state): State<Arc<AppState>>, body: Body) -> Resp
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// The Performance History Table of the HELIOS model, in its compact JSON form (404 when no
+/// `[helios]` section is served).
+pub async fn admin_pht(State(state): State<Arc<AppState>>) -> Response {
+    for s in state.models.values() {
+        if let Served::Helios(h) = s {
+            return match h.orchestrator.stats().await {
+                Ok(stats) => Json(stats.pht).into_response(),
+                Err(e) => ApiError::Internal(e.to_string()).into_response(),
+            };
+        }
+    }
+    ApiError::UnknownModel("helios".into()).into_response()
 }

@@ -5,6 +5,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use crate::config::ServerSection;
+use crate::helios::HeliosModel;
 use crate::local::LocalModel;
 use crate::metrics::Metrics;
 use crate::remote::RemoteModel;
@@ -13,6 +14,8 @@ use crate::remote::RemoteModel;
 pub enum Served {
     Local(Arc<LocalModel>),
     Remote(Arc<RemoteModel>),
+    /// The HELIOS orchestrator over several local engines.
+    Helios(Arc<HeliosModel>),
 }
 
 pub struct AppState {

@@ -1,0 +1,162 @@
+//! The HELIOS orchestrator as one served model: its candidate engines started from the
+//! repository manifest, each inside an equal share of the memory budget, and requests turned
+//! into orchestrator requests (text or chat, tokenized by whichever candidate serves them).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use switchyard_engine::{EngineConfig, EngineCore, EngineHandle};
+use switchyard_exits::ExitHeads;
+use switchyard_helios::manifest::{ExitHeadsKind, Manifest, Source};
+use switchyard_helios::orchestrator::{CandidateEngine, HeliosPrompt, HeliosRequest, Orchestrator};
+use switchyard_helios::policy::Policy;
+use switchyard_models::{LayeredModel, LoadOptions};
+use switchyard_tokenizer::Tokenizer;
+
+use crate::config::HeliosSection;
+use crate::error::ApiError;
+use crate::validate::{Prompt, ValidRequest};
+use crate::ServerError;
+
+pub struct HeliosModel {
+    pub name: String,
+    pub orchestrator: Orchestrator,
+    pub engines: Vec<EngineHandle>,
+    /// The smallest context of the candidates: a request must fit whichever serves it.
+    pub context_length: usize,
+    in_flight: AtomicUsize,
+}
+
+/// Counts a request as in flight until dropped.
+pub struct HeliosAdmission {
+    model: Arc<HeliosModel>,
+}
+
+impl Drop for HeliosAdmission {
+    fn drop(&mut self) {
+        self.model.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn helios_err(e: switchyard_helios::HeliosError) -> ServerError {
+    ServerError::Backend {
+        name: "helios".into(),
+        detail: e.to_string(),
+    }
+}
+
+impl HeliosModel {
+    /// Loads every local model of the manifest and starts the orchestrator (blocking: run off
+    /// the async runtime).
+    pub fn start(section: &HeliosSection) -> Result<Self, ServerError> {
+        let repo = Manifest::load(std::path::Path::new(&section.manifest)).map_err(helios_err)?;
+        let local: Vec<_> = repo.models().iter().filter(|m| !m.is_remote()).collect();
+        let total = match &section.memory_budget {
+            Some(b) => switchyard_engine::kv::budget::parse_bytes(b)
+                .map_err(|e| ServerError::Engine(e.into()))?,
+            None => switchyard_engine::DEFAULT_MEMORY_BUDGET * local.len().max(1) as u64,
+        };
+        let share = total / local.len().max(1) as u64;
+        let mut engines = Vec::new();
+        for m in &local {
+            let Source::Local { path } = m.source() else {
+                continue;
+            };
+            let path = switchyard_zoo::resolve_model(path)?;
+            let source = switchyard_weights::open(&path)?;
+            let tokenizer = Arc::new(Tokenizer::from_source(&*source)?);
+            let model = LayeredModel::load(Arc::clone(&source), &LoadOptions::default())?;
+            let heads = match m.exit_heads {
+                Some(ExitHeadsKind::Tuned) => {
+                    let fp = switchyard_exits::fingerprint::fingerprint(&path)
+                        .map_err(|e| backend(&m.name, e))?;
+                    let file = switchyard_exits::file::default_heads_path(&path);
+                    switchyard_exits::file::load(&file, &model, &fp)
+                        .map_err(|e| backend(&m.name, e))?
+                }
+                _ => ExitHeads::logit_lens(&model, &m.name, &m.exit_layers)
+                    .map_err(|e| backend(&m.name, e))?,
+            };
+            let cfg = EngineConfig {
+                memory_budget: share,
+                ..EngineConfig::default()
+            };
+            let eog = switchyard_engine::end_of_generation_tokens(&tokenizer);
+            let core = EngineCore::with_exit(model, Box::new(heads), eog, cfg)?;
+            let handle = EngineHandle::spawn(core, tokenizer, &m.name)?;
+            engines.push(CandidateEngine {
+                name: m.name.clone(),
+                handle,
+            });
+        }
+        let policy =
+            Policy::new(section.policy.clone(), section.slo.clone(), share).map_err(helios_err)?;
+        let handles: Vec<EngineHandle> = engines.iter().map(|e| e.handle.clone()).collect();
+        let context_length = handles
+            .iter()
+            .map(|h| h.info().context_length)
+            .min()
+            .unwrap_or(0);
+        let orchestrator = Orchestrator::start(repo, policy, engines).map_err(helios_err)?;
+        Ok(Self {
+            name: section.name.clone(),
+            orchestrator,
+            engines: handles,
+            context_length,
+            in_flight: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Reserves a place, or says the server is at capacity (429).
+    pub fn admit(self: &Arc<Self>, limit: usize) -> Result<HeliosAdmission, ApiError> {
+        let prev = self.in_flight.fetch_add(1, Ordering::SeqCst);
+        if prev >= limit {
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            return Err(ApiError::Overloaded(prev));
+        }
+        Ok(HeliosAdmission {
+            model: Arc::clone(self),
+        })
+    }
+
+    /// The orchestrator's request; token-id prompts and log-probabilities are refused (the
+    /// serving model, hence the vocabulary, is chosen later), as is streaming for now.
+    pub fn prepare(&self, req: &ValidRequest) -> Result<HeliosRequest, ApiError> {
+        if req.stream {
+            return Err(ApiError::unsupported(
+                "stream",
+                "streaming is not available for the HELIOS model yet",
+            ));
+        }
+        if req.logprobs {
+            return Err(ApiError::unsupported(
+                "logprobs",
+                "the HELIOS model picks the serving model per request; its tokens have no fixed vocabulary",
+            ));
+        }
+        let prompt = match &req.prompt {
+            Prompt::Text(t) => HeliosPrompt::Text(t.clone()),
+            Prompt::Chat(m) => HeliosPrompt::Chat(m.clone()),
+            Prompt::Tokens(_) => {
+                return Err(ApiError::unsupported(
+                    "prompt",
+                    "token ids depend on the serving model; send text",
+                ))
+            }
+        };
+        let mut params = req.params.clone();
+        params.max_tokens = req.max_tokens.unwrap_or(self.context_length);
+        Ok(HeliosRequest { prompt, params })
+    }
+}
+
+fn backend(name: &str, e: impl std::fmt::Display) -> ServerError {
+    ServerError::Backend {
+        name: name.to_string(),
+        detail: e.to_string(),
+    }
+}
