@@ -19,6 +19,9 @@ pub struct EeGeneration {
     pub tokens: Vec<u32>,
     /// Layers run for each generated token (end-of-generation token excluded).
     pub depths: Vec<usize>,
+    /// Log-probability of each generated token under the distribution it was sampled from
+    /// (the exit's or full depth's).
+    pub logprobs: Vec<f32>,
     pub text: String,
     pub finish_reason: FinishReason,
     pub prompt_tokens: usize,
@@ -65,6 +68,7 @@ pub fn generate_early_exit(
     let mut out = EeGeneration {
         tokens: Vec::new(),
         depths: Vec::new(),
+        logprobs: Vec::new(),
         text: String::new(),
         finish_reason: FinishReason::Length,
         prompt_tokens: prompt.len(),
@@ -78,7 +82,8 @@ pub fn generate_early_exit(
     let mut decode_start = None;
     let mut stopped_by_string = false;
     loop {
-        let next = sampler.sample(&step.logits, &history).token;
+        let sampled = sampler.sample(&step.logits, &history);
+        let next = sampled.token;
         if decode_start.is_none() {
             out.prompt_secs = t0.elapsed().as_secs_f64();
             decode_start = Some(Instant::now());
@@ -89,6 +94,7 @@ pub fn generate_early_exit(
         }
         out.tokens.push(next);
         out.depths.push(step.depth);
+        out.logprobs.push(sampled.logprob);
         history.push(next);
         if let Some(piece) = stream.push(next)? {
             match stop.push(&piece) {

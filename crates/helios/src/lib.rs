@@ -13,13 +13,16 @@
 //!   histogram, the Confidence Breach Counter, extend vs switch, re-profiling every RI
 //!   requests and the drift detector;
 //! * [`orchestrator`]: the loop over real traffic and candidate engines: online evaluation
-//!   into the PHT, greedy partial load, breach remedies (extend or switch), re-profiling.
+//!   into the PHT, greedy partial load, breach remedies (extend or switch), re-profiling;
+//! * [`bench`]: `switchyard bench helios`, one ShareGPT trace served by the best single model
+//!   at full depth, by the single-model EE-LLM baseline and by the orchestrator.
 //!
 //! Architecture invariant: the policy never touches a model, a clock or a thread; it reads
 //! features and telemetry and returns a decision, so every rule is tested without a model.
 //! Only [`profile`] runs models, through the layered-model contract and the exit heads, and
 //! only [`orchestrator`] drives engines.
 
+pub mod bench;
 pub mod manifest;
 pub mod orchestrator;
 pub mod pht;
@@ -41,6 +44,10 @@ pub enum HeliosError {
     Tokenizer(#[from] switchyard_tokenizer::TokenizerError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Bench(#[from] switchyard_bench::BenchError),
+    #[error(transparent)]
+    Zoo(#[from] switchyard_zoo::ZooError),
     #[error("cannot read {path}: {source}")]
     Io {
         path: std::path::PathBuf,

@@ -107,6 +107,18 @@ impl HeliosStream {
         self.rx.blocking_recv()
     }
 
+    /// The next output if one is ready, without waiting; an error when the orchestrator
+    /// dropped the stream before its last output.
+    pub fn try_next(&mut self) -> Option<Result<HeliosOutput>> {
+        match self.rx.try_recv() {
+            Ok(o) => Some(o),
+            Err(tmpsc::error::TryRecvError::Empty) => None,
+            Err(tmpsc::error::TryRecvError::Disconnected) => Some(Err(HeliosError::Orchestrator(
+                "the orchestrator stopped".into(),
+            ))),
+        }
+    }
+
     /// Blocks until the request ends and gathers it.
     pub fn wait(mut self) -> Result<HeliosCompletion> {
         let mut outputs = Vec::new();
