@@ -24,6 +24,10 @@ pub enum BenchCommand {
     /// Any OpenAI-compatible server under vLLM's serving benchmark: TTFT, TPOT, ITL, E2E,
     /// throughput and goodput at a request rate.
     Serve(crate::bench_serve::ServeArgs),
+    /// One ShareGPT trace served by the best single model at full depth, by the EE-LLM
+    /// baseline (per-token exit, batch 1) and by the HELIOS orchestrator: throughput, latency
+    /// percentiles, exit shares, batch, memory, bits per byte, decisions.
+    Helios(crate::bench_helios::BenchHeliosArgs),
 }
 
 #[derive(Args)]
@@ -51,6 +55,7 @@ pub fn run(cmd: BenchCommand, threads: usize) -> anyhow::Result<()> {
         BenchCommand::Exits(a) => crate::exits::run_bench_exits(a, threads),
         BenchCommand::Offline(a) => crate::offline::run(a, threads),
         BenchCommand::Serve(a) => crate::bench_serve::run(a),
+        BenchCommand::Helios(a) => crate::bench_helios::run(a, threads),
     }
 }
 

@@ -4,6 +4,7 @@
 //! FILE (stdout when omitted); generated text goes to stdout.
 
 mod bench;
+mod bench_helios;
 mod bench_serve;
 mod eval;
 mod exits;

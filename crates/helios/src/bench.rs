@@ -216,6 +216,8 @@ pub struct HeliosBenchOptions {
     pub vanilla: Option<String>,
     /// Requests of the trace the batch-1 baseline serves (all when `None`).
     pub baseline_prompts: Option<usize>,
+    /// Caps every request's output length (the dataset answer's length when `None`).
+    pub max_tokens: Option<usize>,
     /// Also run the ablations (remedy modes, RI, thresholds) on the same trace.
     pub ablation: bool,
 }
@@ -438,7 +440,9 @@ pub fn run_bench_helios(
         .map(|r| Job {
             text: r.prompt.clone(),
             prompt: r.prompt_tokens.clone(),
-            output_len: r.output_len,
+            output_len: opts
+                .max_tokens
+                .map_or(r.output_len, |m| r.output_len.min(m)),
         })
         .collect();
     if jobs.is_empty() {

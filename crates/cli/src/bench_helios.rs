@@ -1,0 +1,211 @@
+//! `switchyard bench helios`: one ShareGPT trace served by the best single model at full
+//! depth, by the single-model EE-LLM baseline and by the HELIOS orchestrator, side by side.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use switchyard_bench::sharegpt::{sample_requests, SampleOptions, DEFAULT_SEED};
+use switchyard_engine::kv::parse_bytes;
+use switchyard_engine::{EngineConfig, DEFAULT_MEMORY_BUDGET};
+use switchyard_helios::bench::{
+    best_single_model, entry_without_telemetry, run_bench_helios, BenchCandidate,
+    HeliosBenchContext, HeliosBenchOptions, HeliosBenchReport, SystemReport, DEFAULT_NUM_PROMPTS,
+};
+use switchyard_helios::manifest::Manifest;
+use switchyard_helios::policy::{Objective, PolicyConfig, RemedyMode, Slo};
+
+use crate::load::resolve_text;
+use crate::output::write_json;
+
+#[derive(Args)]
+#[command(group(clap::ArgGroup::new("repo").required(true).args(["manifest", "models"])))]
+pub struct BenchHeliosArgs {
+    /// The model repository: a manifest of candidates with their telemetry
+    /// (`switchyard profile --json` writes it).
+    #[arg(long, value_name = "FILE")]
+    manifest: Option<PathBuf>,
+    /// Candidates without a manifest (zoo names or paths): exits every n_layers/8 layers, no
+    /// measured telemetry (the online evaluation measures them); the first is the vanilla model.
+    #[arg(long, value_delimiter = ',')]
+    models: Option<Vec<String>>,
+    /// A ShareGPT JSON file, or the zoo dataset's name.
+    #[arg(long, default_value = "sharegpt")]
+    dataset: String,
+    #[arg(long, default_value_t = DEFAULT_NUM_PROMPTS)]
+    num_prompts: usize,
+    /// Seed of the dataset shuffle.
+    #[arg(long, default_value_t = DEFAULT_SEED)]
+    seed: u64,
+    /// Bytes for each system, e.g. 2GiB: vanilla's engine, the baseline, and HELIOS's
+    /// candidate engines together (equal shares).
+    #[arg(long, value_parser = parse_budget)]
+    memory_budget: Option<u64>,
+    /// Exit confidence threshold of HELIOS and of the EE-LLM baseline.
+    #[arg(long, default_value_t = switchyard_helios::policy::DEFAULT_THRESHOLD)]
+    threshold: f32,
+    /// Requests of the online evaluation per candidate.
+    #[arg(long, default_value_t = switchyard_helios::policy::DEFAULT_EVAL_REQUESTS)]
+    eval_requests: usize,
+    /// Re-profile every RI requests.
+    #[arg(long, default_value_t = switchyard_helios::policy::DEFAULT_REPROFILE_INTERVAL)]
+    reprofile_interval: usize,
+    /// Confidence Breach Counter limit (breaches in its window of 100 tokens).
+    #[arg(long, default_value_t = switchyard_helios::policy::CBC_MAX)]
+    cbc_max: usize,
+    /// What a breach may do: dynamic, extend-only or switch-only.
+    #[arg(long, default_value = "dynamic", value_parser = ["dynamic", "extend-only", "switch-only"])]
+    remedy: String,
+    /// The SLO's objective: throughput, latency or energy.
+    #[arg(long, default_value = "throughput", value_parser = ["throughput", "latency", "energy"])]
+    objective: String,
+    /// Requests the batch-1 EE-LLM baseline serves (the first of the trace; all when omitted).
+    #[arg(long)]
+    baseline_prompts: Option<usize>,
+    /// Caps every request's output tokens (the dataset answer's length otherwise).
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Also run HELIOS switch-only / extend-only / dynamic, RI 50/150/250 and thresholds
+    /// 0.6/0.8/0.9 on the same trace.
+    #[arg(long)]
+    ablation: bool,
+    /// Write the result as JSON to FILE (stdout when omitted).
+    #[arg(long, value_name = "FILE", num_args = 0..=1)]
+    json: Option<Option<PathBuf>>,
+    /// Write the Markdown tables to FILE.
+    #[arg(long, value_name = "FILE")]
+    markdown: Option<PathBuf>,
+    /// Draw PNG charts into DIR.
+    #[arg(long, value_name = "DIR")]
+    plot: Option<PathBuf>,
+}
+
+fn parse_budget(s: &str) -> Result<u64, String> {
+    parse_bytes(s).map_err(|e| e.to_string())
+}
+
+fn remedy(s: &str) -> RemedyMode {
+    match s {
+        "extend-only" => RemedyMode::ExtendOnly,
+        "switch-only" => RemedyMode::SwitchOnly,
+        _ => RemedyMode::Dynamic,
+    }
+}
+
+fn objective(s: &str) -> Objective {
+    match s {
+        "latency" => Objective::Latency,
+        "energy" => Objective::Energy,
+        _ => Objective::Throughput,
+    }
+}
+
+pub fn run(a: BenchHeliosArgs, threads: usize) -> anyhow::Result<()> {
+    let (repo, first) = match (&a.manifest, &a.models) {
+        (Some(path), _) => (Manifest::load(path)?, None),
+        (None, Some(names)) => {
+            let entries = names
+                .iter()
+                .map(|n| entry_without_telemetry(n).with_context(|| format!("opening {n}")))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            (Manifest::new(entries, "--models")?, names.first().cloned())
+        }
+        (None, None) => anyhow::bail!("give --manifest FILE or --models a,b,c"),
+    };
+    let candidates = repo
+        .models()
+        .iter()
+        .filter_map(|m| BenchCandidate::open(m).transpose())
+        .collect::<Result<Vec<_>, _>>()?;
+    let budget = a.memory_budget.unwrap_or(DEFAULT_MEMORY_BUDGET);
+    let slo = Slo {
+        objective: objective(&a.objective),
+        ..Slo::default()
+    };
+    let vanilla = match first {
+        Some(f) => f,
+        None => best_single_model(&repo, &slo, budget)
+            .map(|m| m.name.clone())
+            .ok_or_else(|| anyhow::anyhow!("the repository has no local model"))?,
+    };
+    let vanilla_c = candidates
+        .iter()
+        .find(|c| c.entry.name == vanilla)
+        .ok_or_else(|| anyhow::anyhow!("{vanilla} is not a local model"))?;
+    let data = resolve_text(&a.dataset)?;
+    eprintln!(
+        "sampling {} prompts from {} with {}'s tokenizer",
+        a.num_prompts,
+        data.display(),
+        vanilla
+    );
+    let sample = sample_requests(
+        &data,
+        &vanilla_c.tokenizer,
+        &SampleOptions {
+            num_prompts: a.num_prompts,
+            seed: a.seed,
+        },
+    )?;
+    let opts = HeliosBenchOptions {
+        memory_budget: budget,
+        engine: EngineConfig::default(),
+        policy: PolicyConfig {
+            threshold: a.threshold,
+            eval_requests: a.eval_requests,
+            reprofile_interval: a.reprofile_interval,
+            cbc_max: a.cbc_max,
+            remedy: remedy(&a.remedy),
+            ..PolicyConfig::default()
+        },
+        slo,
+        vanilla: Some(vanilla),
+        baseline_prompts: a.baseline_prompts,
+        max_tokens: a.max_tokens,
+        ablation: a.ablation,
+    };
+    let ctx = HeliosBenchContext {
+        repo: &repo,
+        candidates: &candidates,
+        dataset: &a.dataset,
+        sample: &sample,
+        threads,
+    };
+    let r = run_bench_helios(&ctx, &opts, |phase| eprintln!("running {phase}"))?;
+    summary(&r);
+    let md = r.markdown();
+    if let Some(p) = &a.markdown {
+        std::fs::write(p, &md).with_context(|| format!("writing {}", p.display()))?;
+    } else {
+        eprintln!("\n{md}");
+    }
+    if let Some(dir) = &a.plot {
+        for p in r.plot(dir)? {
+            eprintln!("wrote {}", p.display());
+        }
+    }
+    write_json(&a.json, &r)
+}
+
+fn summary(r: &HeliosBenchReport) {
+    let line = |s: &SystemReport| {
+        eprintln!(
+            "{}: {} requests, {} output tokens in {:.1} s: {:.2} tokens/s; TPOT P50 {:.1} ms, P99 {:.1} ms; {:.1}% at the earliest exit, {:.1}% at full depth; largest batch {}; {:.4} bits/byte ({:+.4} vs full)",
+            s.system,
+            s.requests,
+            s.output_tokens,
+            s.duration_s,
+            s.output_tokens_per_s,
+            s.tpot_s.p50 * 1e3,
+            s.tpot_s.p99 * 1e3,
+            100.0 * s.earliest_exit_share,
+            100.0 * s.full_depth_share,
+            s.largest_batch,
+            s.bits_per_byte,
+            s.bits_per_byte_vs_full
+        )
+    };
+    line(&r.vanilla);
+    line(&r.ee_llm);
+    line(&r.helios);
+}
