@@ -44,10 +44,11 @@ pub enum HeliosError {
     Tokenizer(#[from] switchyard_tokenizer::TokenizerError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// Boxed, as is [`HeliosError::Zoo`]: they would double the size of every `Result`.
     #[error(transparent)]
-    Bench(#[from] switchyard_bench::BenchError),
+    Bench(Box<switchyard_bench::BenchError>),
     #[error(transparent)]
-    Zoo(#[from] switchyard_zoo::ZooError),
+    Zoo(Box<switchyard_zoo::ZooError>),
     #[error("cannot read {path}: {source}")]
     Io {
         path: std::path::PathBuf,
@@ -78,6 +79,18 @@ pub enum HeliosError {
     Profile(String),
     #[error("orchestrator: {0}")]
     Orchestrator(String),
+}
+
+impl From<switchyard_bench::BenchError> for HeliosError {
+    fn from(e: switchyard_bench::BenchError) -> Self {
+        Self::Bench(Box::new(e))
+    }
+}
+
+impl From<switchyard_zoo::ZooError> for HeliosError {
+    fn from(e: switchyard_zoo::ZooError) -> Self {
+        Self::Zoo(Box::new(e))
+    }
 }
 
 pub type Result<T> = std::result::Result<T, HeliosError>;
