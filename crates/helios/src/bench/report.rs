@@ -190,15 +190,19 @@ impl HeliosBenchReport {
                 fr.sort_by(|a, b| a.0.total_cmp(&b.0));
                 let total = r.output_tokens.max(1) as f64;
                 let mut acc = 0u64;
+                let mut points: Vec<(f64, f64)> = Vec::new();
+                for (x, t) in fr {
+                    acc += t;
+                    let y = acc as f64 / total;
+                    // Two models at the same fraction of their layers are one point.
+                    match points.last_mut() {
+                        Some(p) if p.0 == x => p.1 = y,
+                        _ => points.push((x, y)),
+                    }
+                }
                 Series {
                     name: r.system.clone(),
-                    points: fr
-                        .into_iter()
-                        .map(|(x, t)| {
-                            acc += t;
-                            (x, acc as f64 / total)
-                        })
-                        .collect(),
+                    points,
                 }
             })
             .collect();
