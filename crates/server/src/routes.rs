@@ -152,17 +152,7 @@ async fn helios_response(
         }
         Err(ApiError::ShuttingDown)
     };
-    match tokio::time::timeout(timeout, collect).await {
-        Ok(r) => r?,
-        Err(_) => {
-            state
-                .metrics
-                .aborted
-                .with_label_values(&[&h.name, "timeout"])
-                .inc();
-            return Err(ApiError::Timeout(timeout.as_secs()));
-        }
-    }
+    within_timeout(state, &h.name, timeout, collect).await?;
     let last = outputs
         .last()
         .ok_or_else(|| ApiError::Internal("the orchestrator returned no output".into()))?;
@@ -176,8 +166,45 @@ async fn helios_response(
         finished.cached_tokens,
     );
     let id = format!("{}-h{}", prefix(req.endpoint), last.id);
+    let mut resp = one_choice_response(req, id, text, finish, usage, None, None);
+    if let Ok(v) = header::HeaderValue::from_str(&served_by) {
+        resp.headers_mut().insert("x-switchyard-served-by", v);
+    }
+    Ok(resp)
+}
+
+/// Runs `collect` under the request timeout; a timeout is counted and becomes 504.
+async fn within_timeout(
+    state: &AppState,
+    model: &str,
+    timeout: Duration,
+    collect: impl std::future::Future<Output = Result<(), ApiError>>,
+) -> Result<(), ApiError> {
+    match tokio::time::timeout(timeout, collect).await {
+        Ok(r) => r,
+        Err(_) => {
+            state
+                .metrics
+                .aborted
+                .with_label_values(&[model, "timeout"])
+                .inc();
+            Err(ApiError::Timeout(timeout.as_secs()))
+        }
+    }
+}
+
+/// A complete (non-streamed) response with one choice, in the endpoint's shape.
+fn one_choice_response(
+    req: &ValidRequest,
+    id: String,
+    text: String,
+    finish: Option<String>,
+    usage: Usage,
+    completion_logprobs: Option<CompletionLogprobs>,
+    chat_logprobs: Option<ChatLogprobs>,
+) -> Response {
     let created = now_secs();
-    let mut resp = match req.endpoint {
+    match req.endpoint {
         Endpoint::Completions => Json(CompletionResponse {
             id,
             object: "text_completion".into(),
@@ -186,7 +213,7 @@ async fn helios_response(
             choices: vec![CompletionChoice {
                 index: 0,
                 text,
-                logprobs: None,
+                logprobs: completion_logprobs,
                 finish_reason: finish,
             }],
             usage: Some(usage),
@@ -203,17 +230,13 @@ async fn helios_response(
                     role: "assistant".into(),
                     content: text,
                 },
-                logprobs: None,
+                logprobs: chat_logprobs,
                 finish_reason: finish,
             }],
             usage,
         })
         .into_response(),
-    };
-    if let Ok(v) = header::HeaderValue::from_str(&served_by) {
-        resp.headers_mut().insert("x-switchyard-served-by", v);
     }
-    Ok(resp)
 }
 
 fn record(state: &AppState, model: &str, f: &Finished) {
@@ -255,17 +278,7 @@ async fn full_response(
         }
         Err(ApiError::ShuttingDown)
     };
-    match tokio::time::timeout(timeout, collect).await {
-        Ok(r) => r?,
-        Err(_) => {
-            state
-                .metrics
-                .aborted
-                .with_label_values(&[&model.name, "timeout"])
-                .inc();
-            return Err(ApiError::Timeout(timeout.as_secs()));
-        }
-    }
+    within_timeout(state, &model.name, timeout, collect).await?;
     let last = outputs
         .last()
         .ok_or_else(|| ApiError::Internal("the engine returned no output".into()))?;
@@ -286,42 +299,12 @@ async fn full_response(
         finished.output_tokens,
         finished.cached_tokens,
     );
-    let created = now_secs();
-    let resp = match req.endpoint {
-        Endpoint::Completions => Json(CompletionResponse {
-            id,
-            object: "text_completion".into(),
-            created,
-            model: req.model.clone(),
-            choices: vec![CompletionChoice {
-                index: 0,
-                text,
-                logprobs: req
-                    .logprobs
-                    .then(|| completion_logprobs(model, &ids, &lps, 0)),
-                finish_reason: finish,
-            }],
-            usage: Some(usage),
-        })
-        .into_response(),
-        Endpoint::Chat => Json(ChatResponse {
-            id,
-            object: "chat.completion".into(),
-            created,
-            model: req.model.clone(),
-            choices: vec![ChatChoice {
-                index: 0,
-                message: ChatMessageOut {
-                    role: "assistant".into(),
-                    content: text,
-                },
-                logprobs: req.logprobs.then(|| chat_logprobs(model, &ids, &lps)),
-                finish_reason: finish,
-            }],
-            usage,
-        })
-        .into_response(),
+    let (completion_lp, chat_lp) = match (req.logprobs, req.endpoint) {
+        (false, _) => (None, None),
+        (true, Endpoint::Completions) => (Some(completion_logprobs(model, &ids, &lps, 0)), None),
+        (true, Endpoint::Chat) => (None, Some(chat_logprobs(model, &ids, &lps))),
     };
+    let resp = one_choice_response(req, id, text, finish, usage, completion_lp, chat_lp);
     Ok(resp)
 }
 
