@@ -65,8 +65,8 @@ pub struct BenchHeliosArgs {
     /// Caps every request's output tokens (the dataset answer's length otherwise).
     #[arg(long)]
     max_tokens: Option<usize>,
-    /// Also run HELIOS switch-only / extend-only / dynamic, RI 50/150/250 and thresholds
-    /// 0.6/0.8/0.9 on the same trace.
+    /// Also run HELIOS switch-only / extend-only / dynamic, RI 50/150/250, thresholds
+    /// 0.6/0.8/0.9 and CBCmax 25/50/75 on the same trace.
     #[arg(long)]
     ablation: bool,
     /// Write the result as JSON to FILE (stdout when omitted).

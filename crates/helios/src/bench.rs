@@ -55,6 +55,9 @@ pub const DEFAULT_NUM_PROMPTS: usize = 100;
 pub const ABLATION_THRESHOLDS: &[f32] = &[0.6, 0.8, 0.9];
 /// Re-profiling intervals of the ablation (the paper's Fig. 12).
 pub const ABLATION_INTERVALS: &[usize] = &[50, 150, 250];
+/// Confidence Breach Counter limits of the ablation (breaches per window of 100 tokens): half,
+/// the paper's default, and one and a half times it.
+pub const ABLATION_CBC_MAX: &[usize] = &[25, 50, 75];
 /// Weight bytes per second assumed to turn a model's size into a prior throughput when the
 /// repository has no measured telemetry (`--models`): decoding reads every weight once per
 /// token; the online evaluation replaces the prior with measurements.
@@ -215,7 +218,7 @@ pub struct HeliosBenchOptions {
     pub baseline_prompts: Option<usize>,
     /// Caps every request's output length (the dataset answer's length when `None`).
     pub max_tokens: Option<usize>,
-    /// Also run the ablations (remedy modes, RI, thresholds) on the same trace.
+    /// Also run the ablations (remedy modes, RI, thresholds, CBCmax) on the same trace.
     pub ablation: bool,
 }
 
@@ -338,6 +341,7 @@ pub struct AblationRow {
     pub remedy: RemedyMode,
     pub reprofile_interval: usize,
     pub threshold: f32,
+    pub cbc_max: usize,
     pub output_tokens_per_s: f64,
     pub tpot_p50_s: f64,
     pub tpot_p99_s: f64,
@@ -496,6 +500,15 @@ pub fn run_bench_helios(
                 },
             ));
         }
+        for &cbc_max in ABLATION_CBC_MAX {
+            variants.push((
+                format!("CBCmax {cbc_max}"),
+                PolicyConfig {
+                    cbc_max,
+                    ..opts.policy.clone()
+                },
+            ));
+        }
         for (label, policy) in variants {
             on_phase(&format!("ablation: {label}"));
             let (s, _) = run_helios(ctx, &jobs, opts, &policy)?;
@@ -504,6 +517,7 @@ pub fn run_bench_helios(
                 remedy: policy.remedy,
                 reprofile_interval: policy.reprofile_interval,
                 threshold: policy.threshold,
+                cbc_max: policy.cbc_max,
                 output_tokens_per_s: s.output_tokens_per_s,
                 tpot_p50_s: s.tpot_s.p50,
                 tpot_p99_s: s.tpot_s.p99,

@@ -124,14 +124,8 @@ impl HeliosModel {
     }
 
     /// The orchestrator's request; token-id prompts and log-probabilities are refused (the
-    /// serving model, hence the vocabulary, is chosen later), as is streaming for now.
+    /// serving model, hence the vocabulary, is chosen later).
     pub fn prepare(&self, req: &ValidRequest) -> Result<HeliosRequest, ApiError> {
-        if req.stream {
-            return Err(ApiError::unsupported(
-                "stream",
-                "streaming is not available for the HELIOS model yet",
-            ));
-        }
         if req.logprobs {
             return Err(ApiError::unsupported(
                 "logprobs",

@@ -22,7 +22,7 @@ use crate::api::{
     ModelCard, ModelList, Usage,
 };
 use crate::error::ApiError;
-use crate::helios::HeliosModel;
+use crate::helios::{HeliosAdmission, HeliosModel};
 use crate::local::{finish_str, Admission, Finished, LocalModel};
 use crate::state::{AppState, Served};
 use crate::validate::{self, Endpoint, ValidRequest};
@@ -114,11 +114,19 @@ async fn generate_inner(
         }
         Served::Helios(h) => {
             let hreq = h.prepare(&req).map_err(fail)?;
-            let _admission = h.admit(state.config.max_in_flight).map_err(fail)?;
+            let admission = h.admit(state.config.max_in_flight).map_err(fail)?;
             let timeout = Duration::from_secs(state.config.request_timeout_s);
-            let resp = helios_response(state, &h, &req, hreq, timeout)
-                .await
-                .map_err(fail)?;
+            let resp = if req.stream {
+                helios_stream_response(state.clone(), &h, req, hreq, admission, timeout)
+                    .await
+                    .map_err(fail)?
+            } else {
+                let resp = helios_response(state, &h, &req, hreq, timeout)
+                    .await
+                    .map_err(fail)?;
+                drop(admission);
+                resp
+            };
             Ok((name, resp))
         }
     }
@@ -139,10 +147,7 @@ async fn helios_response(
     let mut served_by = String::new();
     let collect = async {
         while let Some(o) = stream.next().await {
-            let o = o.map_err(|e| match e {
-                switchyard_helios::HeliosError::Engine(e) => ApiError::from(e),
-                other => ApiError::Internal(other.to_string()),
-            })?;
+            let o = o.map_err(helios_api_error)?;
             served_by = o.model.to_string();
             let last = o.output.finish_reason.is_some();
             outputs.push(o.output);
@@ -362,14 +367,60 @@ fn chat_logprobs(model: &LocalModel, ids: &[u32], lps: &[f32]) -> ChatLogprobs {
     }
 }
 
+/// Where a stream's outputs come from: one engine, or the HELIOS orchestrator (which picks
+/// the serving candidate itself). Each holds its admission until the stream is dropped.
+enum Upstream {
+    Engine {
+        model: Arc<LocalModel>,
+        stream: RequestStream,
+        _admission: Admission,
+    },
+    Helios {
+        stream: switchyard_helios::orchestrator::HeliosStream,
+        _admission: HeliosAdmission,
+    },
+}
+
+impl Upstream {
+    async fn next(&mut self) -> Option<Result<RequestOutput, ApiError>> {
+        match self {
+            Upstream::Engine { stream, .. } => Some(stream.next().await?.map_err(ApiError::from)),
+            Upstream::Helios { stream, .. } => Some(
+                stream
+                    .next()
+                    .await?
+                    .map(|o| o.output)
+                    .map_err(helios_api_error),
+            ),
+        }
+    }
+
+    /// The engine's model, for token pieces (log-probabilities); HELIOS refuses those.
+    fn local(&self) -> Option<&LocalModel> {
+        match self {
+            Upstream::Engine { model, .. } => Some(model),
+            Upstream::Helios { .. } => None,
+        }
+    }
+}
+
+fn helios_api_error(e: switchyard_helios::HeliosError) -> ApiError {
+    match e {
+        switchyard_helios::HeliosError::Engine(e) => ApiError::from(e),
+        other => ApiError::Internal(other.to_string()),
+    }
+}
+
 /// State of one server-sent-event stream. Dropping it before the end (the client went away)
-/// drops the engine stream, which aborts the request and frees its KV blocks.
+/// drops the upstream stream, which aborts the request and frees its KV blocks.
 struct StreamState {
     state: Arc<AppState>,
-    model: Arc<LocalModel>,
+    /// The served model's name (metrics).
+    name: String,
     req: ValidRequest,
-    stream: RequestStream,
-    _admission: Admission,
+    upstream: Upstream,
+    /// An output read before the response started (HELIOS: to learn the serving candidate).
+    pending: Option<RequestOutput>,
     deadline: tokio::time::Instant,
     id: String,
     created: u64,
@@ -387,9 +438,41 @@ impl Drop for StreamState {
             self.state
                 .metrics
                 .aborted
-                .with_label_values(&[&self.model.name, "client_disconnect"])
+                .with_label_values(&[&self.name, "client_disconnect"])
                 .inc();
         }
+    }
+}
+
+impl StreamState {
+    fn new(
+        state: Arc<AppState>,
+        name: String,
+        req: ValidRequest,
+        upstream: Upstream,
+        id: String,
+        deadline: tokio::time::Instant,
+    ) -> Self {
+        Self {
+            state,
+            name,
+            req,
+            upstream,
+            pending: None,
+            deadline,
+            id,
+            created: now_secs(),
+            sent_role: false,
+            offset: 0,
+            tail: Vec::new(),
+            finished: false,
+        }
+    }
+
+    fn into_response(self) -> Response {
+        Sse::new(events(self))
+            .keep_alive(KeepAlive::default())
+            .into_response()
     }
 }
 
@@ -402,23 +485,58 @@ fn stream_response(
     timeout: Duration,
 ) -> Response {
     let id = format!("{}-{}", prefix(req.endpoint), stream.id());
-    let st = StreamState {
-        state,
+    let name = model.name.clone();
+    let upstream = Upstream::Engine {
         model,
-        req,
         stream,
         _admission: admission,
-        deadline: tokio::time::Instant::now() + timeout,
-        id,
-        created: now_secs(),
-        sent_role: false,
-        offset: 0,
-        tail: Vec::new(),
-        finished: false,
     };
-    Sse::new(events(st))
-        .keep_alive(KeepAlive::default())
-        .into_response()
+    let deadline = tokio::time::Instant::now() + timeout;
+    StreamState::new(state, name, req, upstream, id, deadline).into_response()
+}
+
+/// Streams a HELIOS request. The response starts once the first output is in, so that the
+/// `x-switchyard-served-by` header can name the candidate serving it (the orchestrator picks
+/// it when the request reaches the front of its queue); an error before that is a plain error
+/// response.
+async fn helios_stream_response(
+    state: Arc<AppState>,
+    h: &Arc<HeliosModel>,
+    req: ValidRequest,
+    hreq: switchyard_helios::orchestrator::HeliosRequest,
+    admission: HeliosAdmission,
+    timeout: Duration,
+) -> Result<Response, ApiError> {
+    let mut stream = h
+        .orchestrator
+        .submit(hreq)
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut first = None;
+    within_timeout(&state, &h.name, timeout, async {
+        match stream.next().await {
+            Some(o) => {
+                first = Some(o.map_err(helios_api_error)?);
+                Ok(())
+            }
+            None => Err(ApiError::ShuttingDown),
+        }
+    })
+    .await?;
+    let first = first.ok_or(ApiError::ShuttingDown)?;
+    let served_by = first.model.to_string();
+    let id = format!("{}-h{}", prefix(req.endpoint), first.output.id);
+    let upstream = Upstream::Helios {
+        stream,
+        _admission: admission,
+    };
+    let mut st = StreamState::new(state, h.name.clone(), req, upstream, id, deadline);
+    st.pending = Some(first.output);
+    let mut resp = st.into_response();
+    if let Ok(v) = header::HeaderValue::from_str(&served_by) {
+        resp.headers_mut().insert("x-switchyard-served-by", v);
+    }
+    Ok(resp)
 }
 
 fn events(st: StreamState) -> impl Stream<Item = Result<Event, Infallible>> {
@@ -429,13 +547,16 @@ fn events(st: StreamState) -> impl Stream<Item = Result<Event, Infallible>> {
         if st.finished {
             return None;
         }
-        let next = tokio::time::timeout_at(st.deadline, st.stream.next()).await;
+        let next = match st.pending.take() {
+            Some(o) => Ok(Some(Ok(o))),
+            None => tokio::time::timeout_at(st.deadline, st.upstream.next()).await,
+        };
         let out = match next {
             Ok(Some(Ok(o))) => o,
             Ok(Some(Err(e))) => {
                 st.finished = true;
                 st.tail.push(Event::default().data("[DONE]"));
-                let body = ApiError::from(e).body();
+                let body = e.body();
                 return Some((Ok(json_event(&body)), st));
             }
             Ok(None) => {
@@ -448,7 +569,7 @@ fn events(st: StreamState) -> impl Stream<Item = Result<Event, Infallible>> {
                 st.state
                     .metrics
                     .aborted
-                    .with_label_values(&[&st.model.name, "timeout"])
+                    .with_label_values(&[&st.name, "timeout"])
                     .inc();
                 st.tail.push(Event::default().data("[DONE]"));
                 let body = ApiError::Timeout(st.state.config.request_timeout_s).body();
@@ -459,7 +580,7 @@ fn events(st: StreamState) -> impl Stream<Item = Result<Event, Infallible>> {
         if out.finish_reason.is_some() {
             st.finished = true;
             let finished = Finished::from_output(&out);
-            record(&st.state, &st.model.name, &finished);
+            record(&st.state, &st.name, &finished);
             // Sent in reverse order of pushing: usage (if asked), then [DONE].
             st.tail.push(Event::default().data("[DONE]"));
             if st.req.include_usage {
@@ -499,9 +620,10 @@ fn chunk(st: &mut StreamState, o: &RequestOutput) -> Event {
     match st.req.endpoint {
         Endpoint::Completions => {
             let logprobs = st
-                .req
-                .logprobs
-                .then(|| completion_logprobs(&st.model, &o.token_ids, &o.logprobs, st.offset));
+                .upstream
+                .local()
+                .filter(|_| st.req.logprobs)
+                .map(|m| completion_logprobs(m, &o.token_ids, &o.logprobs, st.offset));
             st.offset += o.text.len();
             json_event(&CompletionResponse {
                 id: st.id.clone(),
@@ -532,9 +654,10 @@ fn chunk(st: &mut StreamState, o: &RequestOutput) -> Event {
                         content: Some(o.text.clone()),
                     },
                     logprobs: st
-                        .req
-                        .logprobs
-                        .then(|| chat_logprobs(&st.model, &o.token_ids, &o.logprobs)),
+                        .upstream
+                        .local()
+                        .filter(|_| st.req.logprobs)
+                        .map(|m| chat_logprobs(m, &o.token_ids, &o.logprobs)),
                     finish_reason: finish,
                 }],
                 usage: None,

@@ -121,7 +121,7 @@ impl HeliosBenchReport {
 
     /// PNG charts into `dir`: latency and TTFT distributions per system, the cumulative
     /// share of tokens by depth (as a fraction of the serving model's layers), and, with
-    /// ablations, tokens/s against threshold and against RI.
+    /// ablations, tokens/s against threshold, RI and CBCmax.
     pub fn plot(&self, dir: &Path) -> Result<Vec<PathBuf>> {
         std::fs::create_dir_all(dir).map_err(|source| HeliosError::Io {
             path: dir.to_path_buf(),
@@ -242,6 +242,13 @@ impl HeliosBenchReport {
                 "RI (requests)",
                 "RI",
                 |a| a.reprofile_interval as f64,
+            ),
+            (
+                "ablation-cbc.png",
+                "HELIOS tokens/s by CBCmax",
+                "CBCmax (breaches per 100 tokens)",
+                "CBCmax",
+                |a| a.cbc_max as f64,
             ),
         ] {
             let points = sweep(prefix, x);
