@@ -59,6 +59,10 @@ pub struct BenchHeliosArgs {
     /// The SLO's objective: throughput, latency or energy.
     #[arg(long, default_value = "throughput", value_parser = ["throughput", "latency", "energy"])]
     objective: String,
+    /// The SLO's quality bound: bits per byte at most this much above the repository's best
+    /// full-depth model (no bound when omitted). It also bounds the vanilla model's choice.
+    #[arg(long, value_name = "BITS")]
+    max_bits_per_byte_increase: Option<f64>,
     /// Requests the batch-1 EE-LLM baseline serves (the first of the trace; all when omitted).
     #[arg(long)]
     baseline_prompts: Option<usize>,
@@ -120,6 +124,7 @@ pub fn run(a: BenchHeliosArgs, threads: usize) -> anyhow::Result<()> {
     let budget = a.memory_budget.unwrap_or(DEFAULT_MEMORY_BUDGET);
     let slo = Slo {
         objective: objective(&a.objective),
+        max_bits_per_byte_increase: a.max_bits_per_byte_increase,
         ..Slo::default()
     };
     let vanilla = match first {

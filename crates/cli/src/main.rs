@@ -6,6 +6,7 @@
 mod bench;
 mod bench_helios;
 mod bench_serve;
+mod ee_tune;
 mod eval;
 mod exits;
 mod generate;
@@ -54,6 +55,8 @@ enum Command {
     Calibrate(exits::CalibrateArgs),
     /// Measure a model's telemetry per exit depth (the HELIOS repository entry).
     Profile(profile::ProfileArgs),
+    /// Train exit heads on the frozen model (EE-Tuning) with exit probes, and score them.
+    EeTune(ee_tune::EeTuneArgs),
 }
 
 fn main() {
@@ -68,6 +71,7 @@ fn main() {
         Command::Serve(a) => serve::run(a),
         Command::Calibrate(a) => exits::run_calibrate(a),
         Command::Profile(a) => profile::run(a, threads),
+        Command::EeTune(a) => ee_tune::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

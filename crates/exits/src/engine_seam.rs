@@ -4,7 +4,7 @@
 use candle_core::Tensor;
 use switchyard_models::{LayeredModel, ModelError};
 
-use crate::heads::{ExitHead, ExitHeads};
+use crate::heads::ExitHeads;
 
 impl switchyard_engine::ExitHead for ExitHeads {
     fn exit_logits(
@@ -22,13 +22,6 @@ impl switchyard_engine::ExitHead for ExitHeads {
     }
 
     fn resident_bytes(&self) -> usize {
-        self.iter()
-            .map(|(_, h)| match h {
-                ExitHead::Identity => 0,
-                ExitHead::Affine { weight_t, bias } => {
-                    (weight_t.elem_count() + bias.elem_count()) * std::mem::size_of::<f32>()
-                }
-            })
-            .sum()
+        self.iter().map(|(_, h)| h.bytes()).sum()
     }
 }

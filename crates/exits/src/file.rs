@@ -1,7 +1,10 @@
 //! The heads file: one safetensors file beside the model, `<model>.exits.safetensors`.
 //!
 //! Tensors: `exit.<depth>.weight` (`A`, `[d_model, d_model]` f32, `y = A h + b`) and
-//! `exit.<depth>.bias` (`[d_model]` f32) for each affine head; identity heads have none. The
+//! `exit.<depth>.bias` (`[d_model]` f32) for each affine head; identity heads have none. An MLP
+//! head adds `exit.<depth>.mlp.w1` (`[hidden, d_model]`), `exit.<depth>.mlp.b1` (`[hidden]`)
+//! and `exit.<depth>.mlp.w2` (`[d_model, hidden]`); an exit probe, when trained, is
+//! `exit.<depth>.probe.weight` (`[d_model]`) and `exit.<depth>.probe.bias` (`[1]`). The
 //! safetensors header's metadata holds one key, [`META_KEY`], whose value is the JSON of
 //! [`HeadsMeta`]: the model's SHA-256, size, name and shape, each head's depth and kind, and how
 //! the heads were calibrated. One file, written to a temporary name and renamed, so heads and
@@ -16,7 +19,7 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use switchyard_models::LayeredModel;
 
 use crate::fingerprint::Fingerprint;
-use crate::heads::{ExitHead, ExitHeads, HeadKind, HeadsMeta, FORMAT_VERSION};
+use crate::heads::{ExitHead, ExitHeads, ExitProbe, HeadKind, HeadsMeta, FORMAT_VERSION};
 use crate::{ExitsError, Result};
 
 /// The metadata key holding [`HeadsMeta`] as JSON.
@@ -42,6 +45,10 @@ fn bias_name(depth: usize) -> String {
     format!("exit.{depth}.bias")
 }
 
+fn part_name(depth: usize, part: &str) -> String {
+    format!("exit.{depth}.{part}")
+}
+
 fn f32_bytes(t: &Tensor) -> Result<Vec<u8>> {
     let v = t.flatten_all()?.to_vec1::<f32>()?;
     Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect())
@@ -50,14 +57,34 @@ fn f32_bytes(t: &Tensor) -> Result<Vec<u8>> {
 /// Writes `heads` to `path` (atomically: a temporary file renamed into place).
 pub fn save(heads: &ExitHeads, path: &Path) -> Result<()> {
     let mut blobs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut push = |name: String, t: &Tensor| -> Result<()> {
+        blobs.push((name, t.dims().to_vec(), f32_bytes(t)?));
+        Ok(())
+    };
     for (depth, head) in heads.iter() {
         match head {
             ExitHead::Identity => {}
             ExitHead::Affine { weight_t, bias } => {
-                let w = weight_t.t()?.contiguous()?;
-                blobs.push((weight_name(depth), w.dims().to_vec(), f32_bytes(&w)?));
-                blobs.push((bias_name(depth), bias.dims().to_vec(), f32_bytes(bias)?));
+                push(weight_name(depth), &weight_t.t()?.contiguous()?)?;
+                push(bias_name(depth), bias)?;
             }
+            ExitHead::Mlp {
+                weight_t,
+                bias,
+                w1_t,
+                b1,
+                w2_t,
+            } => {
+                push(weight_name(depth), &weight_t.t()?.contiguous()?)?;
+                push(bias_name(depth), bias)?;
+                push(part_name(depth, "mlp.w1"), &w1_t.t()?.contiguous()?)?;
+                push(part_name(depth, "mlp.b1"), b1)?;
+                push(part_name(depth, "mlp.w2"), &w2_t.t()?.contiguous()?)?;
+            }
+        }
+        if let Some(p) = heads.probe(depth) {
+            push(part_name(depth, "probe.weight"), &p.weight.flatten_all()?)?;
+            push(part_name(depth, "probe.bias"), &p.bias)?;
         }
     }
     let meta = serde_json::to_string(heads.meta())
@@ -108,7 +135,7 @@ pub fn load_unchecked(path: &Path, device: &Device) -> Result<ExitHeads> {
         .into_iter()
         .flatten()
         .filter_map(|h| h.get("kind").and_then(|k| k.as_str()))
-        .find(|k| !matches!(*k, "identity" | "affine"))
+        .find(|k| !matches!(*k, "identity" | "affine" | "mlp"))
     {
         return Err(ExitsError::UnsupportedHeadKind {
             path: path.to_path_buf(),
@@ -144,6 +171,7 @@ pub fn load_unchecked(path: &Path, device: &Device) -> Result<ExitHeads> {
         Ok(Tensor::from_vec(v, shape, device)?)
     };
     let mut heads = BTreeMap::new();
+    let mut probes = Vec::new();
     for info in &meta.heads {
         let head = match info.kind {
             HeadKind::Identity => ExitHead::Identity,
@@ -154,12 +182,43 @@ pub fn load_unchecked(path: &Path, device: &Device) -> Result<ExitHeads> {
                     bias: load(&bias_name(info.depth), &[d])?,
                 }
             }
+            HeadKind::Mlp => {
+                let w1_name = part_name(info.depth, "mlp.w1");
+                let hidden = st
+                    .tensor(&w1_name)
+                    .ok()
+                    .and_then(|t| t.shape().first().copied())
+                    .ok_or_else(|| bad(format!("tensor {w1_name} is missing")))?;
+                ExitHead::Mlp {
+                    weight_t: load(&weight_name(info.depth), &[d, d])?.t()?.contiguous()?,
+                    bias: load(&bias_name(info.depth), &[d])?,
+                    w1_t: load(&w1_name, &[hidden, d])?.t()?.contiguous()?,
+                    b1: load(&part_name(info.depth, "mlp.b1"), &[hidden])?,
+                    w2_t: load(&part_name(info.depth, "mlp.w2"), &[d, hidden])?
+                        .t()?
+                        .contiguous()?,
+                }
+            }
         };
         if heads.insert(info.depth, head).is_some() {
             return Err(bad(format!("two heads at depth {}", info.depth)));
         }
+        let probe_name = part_name(info.depth, "probe.weight");
+        if st.tensor(&probe_name).is_ok() {
+            probes.push((
+                info.depth,
+                ExitProbe {
+                    weight: load(&probe_name, &[d])?.reshape((d, 1))?,
+                    bias: load(&part_name(info.depth, "probe.bias"), &[1])?,
+                },
+            ));
+        }
     }
-    ExitHeads::new(meta, heads).map_err(|e| bad(e.to_string()))
+    let mut out = ExitHeads::new(meta, heads).map_err(|e| bad(e.to_string()))?;
+    for (depth, p) in probes {
+        out = out.with_probe(depth, p)?;
+    }
+    Ok(out)
 }
 
 /// Reads a heads file and checks that it was made for this model file (`fingerprint`) and fits

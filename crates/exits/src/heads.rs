@@ -14,15 +14,17 @@ use switchyard_models::LayeredModel;
 use crate::ridge::Affine;
 use crate::{ExitsError, Result};
 
-/// What a head computes before the final norm. Stored in the heads file as a lowercase string;
-/// later kinds (trained `mlp` or `block` heads) are added here.
+/// What a head computes before the final norm. Stored in the heads file as a lowercase string.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum HeadKind {
     /// The hidden state as it is: the logit lens.
     Identity,
-    /// `A h + b`: the tuned lens.
+    /// `A h + b`: the tuned lens (ridge regression) or an affine head trained by `ee-tune`.
     Affine,
+    /// `A h + b + W₂ silu(W₁ rms(h) + b₁)`: an affine map plus a residual MLP, trained by
+    /// `ee-tune` from the ridge solution (the MLP's output starts at zero).
+    Mlp,
 }
 
 impl HeadKind {
@@ -30,6 +32,7 @@ impl HeadKind {
         match self {
             Self::Identity => "identity",
             Self::Affine => "affine",
+            Self::Mlp => "mlp",
         }
     }
 }
@@ -44,6 +47,27 @@ pub enum ExitHead {
         /// `[d_model]` f32.
         bias: Tensor,
     },
+    Mlp {
+        /// The affine part, as in [`ExitHead::Affine`].
+        weight_t: Tensor,
+        bias: Tensor,
+        /// `W₁ᵀ`, `[d_model, hidden]` f32.
+        w1_t: Tensor,
+        /// `[hidden]` f32.
+        b1: Tensor,
+        /// `W₂ᵀ`, `[hidden, d_model]` f32.
+        w2_t: Tensor,
+    },
+}
+
+/// Epsilon of the parameter-free RMS norm at the input of an MLP head's hidden layer.
+pub const MLP_NORM_EPS: f64 = 1e-6;
+
+/// Parameter-free RMS normalisation over the last dimension, written with differentiable
+/// tensor operations (the MLP head's input, in serving and in training alike).
+pub fn rms(x: &Tensor) -> candle_core::Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(candle_core::D::Minus1)?;
+    x.broadcast_div(&(ms + MLP_NORM_EPS)?.sqrt()?)
 }
 
 impl ExitHead {
@@ -51,6 +75,7 @@ impl ExitHead {
         match self {
             Self::Identity => HeadKind::Identity,
             Self::Affine { .. } => HeadKind::Affine,
+            Self::Mlp { .. } => HeadKind::Mlp,
         }
     }
 
@@ -65,6 +90,25 @@ impl ExitHead {
         })
     }
 
+    /// Bytes of weights the head keeps beyond the model's own.
+    pub fn bytes(&self) -> usize {
+        let tensors: Vec<&Tensor> = match self {
+            Self::Identity => Vec::new(),
+            Self::Affine { weight_t, bias } => vec![weight_t, bias],
+            Self::Mlp {
+                weight_t,
+                bias,
+                w1_t,
+                b1,
+                w2_t,
+            } => vec![weight_t, bias, w1_t, b1, w2_t],
+        };
+        tensors
+            .iter()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
+    }
+
     /// Hidden rows `[rows, d_model]` mapped into the final layer's hidden space.
     pub fn translate(&self, hidden: &Tensor) -> Result<Tensor> {
         match self {
@@ -72,6 +116,18 @@ impl ExitHead {
             Self::Affine { weight_t, bias } => {
                 let h = hidden.to_dtype(DType::F32)?;
                 Ok(h.matmul(weight_t)?.broadcast_add(bias)?)
+            }
+            Self::Mlp {
+                weight_t,
+                bias,
+                w1_t,
+                b1,
+                w2_t,
+            } => {
+                let h = hidden.to_dtype(DType::F32)?;
+                let lin = h.matmul(weight_t)?.broadcast_add(bias)?;
+                let mid = rms(&h)?.matmul(w1_t)?.broadcast_add(b1)?.silu()?;
+                Ok((lin + mid.matmul(w2_t)?)?)
             }
         }
     }
@@ -115,6 +171,48 @@ pub struct HeadInfo {
     /// The same for the identity map (the logit lens), for comparison.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub validation_r2_identity: Option<f64>,
+    /// Held-out figures of a head trained by `ee-tune`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trained: Option<TrainedInfo>,
+}
+
+/// How a head was trained (`switchyard ee-tune`) and what it reached on held-out tokens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainedInfo {
+    pub epochs: usize,
+    pub tokens: u64,
+    pub seed: u64,
+    /// Weight of the next-token cross-entropy added to the KL loss.
+    pub ce_weight: f64,
+    pub held_out_agreement: f64,
+    pub held_out_kl_nats: f64,
+    /// AUROC of the exit probe's score for "this exit's top-1 equals the final one's".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe_auroc: Option<f64>,
+}
+
+/// A CALM-style exit classifier: `σ(w · z + b)` on the exit's translated, final-normed hidden
+/// state `z`, the probability that the exit's top-1 token equals the final layer's. It costs
+/// `d_model` multiply-adds instead of the vocabulary head's `d_model × vocab`.
+#[derive(Debug, Clone)]
+pub struct ExitProbe {
+    /// `[d_model, 1]` f32.
+    pub weight: Tensor,
+    /// `[1]` f32.
+    pub bias: Tensor,
+}
+
+impl ExitProbe {
+    /// Probabilities `[rows]` for final-normed rows `[rows, d_model]`.
+    pub fn score(&self, normed: &Tensor) -> Result<Tensor> {
+        let z = normed.to_dtype(DType::F32)?;
+        Ok(sigmoid(&z.matmul(&self.weight)?.broadcast_add(&self.bias)?)?.flatten_all()?)
+    }
+}
+
+/// `1 / (1 + e^{-x})` from core operations (differentiable).
+pub fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
+    (x.neg()?.exp()? + 1.0)?.recip()
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -139,6 +237,7 @@ pub struct CalibrationInfo {
 pub struct ExitHeads {
     meta: HeadsMeta,
     heads: BTreeMap<usize, ExitHead>,
+    probes: BTreeMap<usize, ExitProbe>,
 }
 
 /// Current [`HeadsMeta::format_version`].
@@ -158,6 +257,7 @@ impl ExitHeads {
                     lambda_rel: None,
                     validation_r2: None,
                     validation_r2_identity: None,
+                    trained: None,
                 },
             })
             .collect();
@@ -169,7 +269,23 @@ impl ExitHeads {
                 n_layers,
             });
         }
-        Ok(Self { meta, heads })
+        Ok(Self {
+            meta,
+            heads,
+            probes: BTreeMap::new(),
+        })
+    }
+
+    /// Adds an exit probe at `depth` (which must have a head).
+    pub fn with_probe(mut self, depth: usize, probe: ExitProbe) -> Result<Self> {
+        self.head(depth)?;
+        self.probes.insert(depth, probe);
+        Ok(self)
+    }
+
+    /// The exit probe at `depth`, if the file has one.
+    pub fn probe(&self, depth: usize) -> Option<&ExitProbe> {
+        self.probes.get(&depth)
     }
 
     /// Identity heads (the logit lens) at `depths` of `model`.

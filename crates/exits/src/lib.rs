@@ -13,6 +13,8 @@
 //! * [`confidence`]: max softmax probability and top-1/top-2 margin; KL divergence.
 //! * [`study`] and [`plot`]: the exit study (agreement, confidence buckets, cumulative exit
 //!   distribution, complementarity of two models), as Markdown, JSON and PNG.
+//! * [`tune`]: EE-Tuning, exit heads (affine, MLP) trained on the frozen model against the
+//!   final layer's distribution, plus an exit probe that decides without the vocabulary head.
 //! * [`decode`], [`baseline`] and [`bench`]: per-token early exit at batch 1 with either fix
 //!   for the K/V of skipped layers (EE-LLM's recomputation, CALM's state propagation),
 //!   generation and teacher-forced scoring with it, and its benchmark.
@@ -37,6 +39,7 @@ pub mod heads;
 pub mod plot;
 pub mod ridge;
 pub mod study;
+pub mod tune;
 
 use std::path::PathBuf;
 
@@ -73,7 +76,7 @@ pub enum ExitsError {
     },
     #[error("{path} does not fit this model: {detail}")]
     HeadsMismatch { path: PathBuf, detail: String },
-    #[error("{path}: head kind {kind:?} is not supported by this build (identity, affine are)")]
+    #[error("{path}: head kind {kind:?} is not supported by this build (identity, affine and mlp are; block heads are not implemented)")]
     UnsupportedHeadKind { path: PathBuf, kind: String },
     #[error("no exit head at depth {depth} (heads at {available:?})")]
     NoHead { depth: usize, available: Vec<usize> },

@@ -8,7 +8,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{Device, Tensor};
 use switchyard_exits::file::{self, META_KEY};
 use switchyard_exits::fingerprint::Fingerprint;
-use switchyard_exits::heads::{model_ref, HeadsMeta, FORMAT_VERSION};
+use switchyard_exits::heads::{model_ref, ExitProbe, HeadsMeta, FORMAT_VERSION};
 use switchyard_exits::ridge::Affine;
 use switchyard_exits::{ExitHead, ExitHeads, ExitsError};
 use switchyard_models::{LayeredModel, LoadOptions};
@@ -100,13 +100,15 @@ fn unknown_head_kinds_and_foreign_files_are_named() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let heads = heads_for(&m, "aa11");
     let mut meta = serde_json::to_value(heads.meta())?;
-    meta["heads"][0]["kind"] = "mlp".into();
-    let path = dir.path().join("mlp.safetensors");
+    meta["heads"][0]["kind"] = "block".into();
+    let path = dir.path().join("block.safetensors");
     let info = HashMap::from([(META_KEY.to_string(), meta.to_string())]);
     let empty: Vec<(String, safetensors::tensor::TensorView<'_>)> = Vec::new();
     safetensors::tensor::serialize_to_file(empty, Some(info), &path)?;
     match file::load_unchecked(&path, &Device::Cpu) {
-        Err(ExitsError::UnsupportedHeadKind { kind, .. }) => assert_eq!(kind, "mlp"),
+        Err(e @ ExitsError::UnsupportedHeadKind { .. }) => {
+            assert!(e.to_string().contains("head kind \"block\""), "{e}")
+        }
         other => panic!("expected UnsupportedHeadKind, got {other:?}"),
     }
 
@@ -140,6 +142,75 @@ fn unknown_head_kinds_and_foreign_files_are_named() -> anyhow::Result<()> {
             assert!(detail.contains("exit.1.weight"), "{detail}")
         }
         other => panic!("expected BadHeadsFile, got {other:?}"),
+    }
+    Ok(())
+}
+
+/// A trained MLP head with an exit probe, as `ee-tune` writes them.
+fn trained_heads(m: &LayeredModel, sha: &str) -> anyhow::Result<ExitHeads> {
+    let d = m.spec().d_model;
+    let hidden = 2 * d;
+    let dev = Device::Cpu;
+    let ramp = |n: usize, k: usize| -> Vec<f32> {
+        (0..n).map(|i| ((i * k % 17) as f32 - 8.0) / 40.0).collect()
+    };
+    let head = ExitHead::Mlp {
+        weight_t: Tensor::from_vec(ramp(d * d, 7), (d, d), &dev)?,
+        bias: Tensor::from_vec(ramp(d, 3), d, &dev)?,
+        w1_t: Tensor::from_vec(ramp(d * hidden, 5), (d, hidden), &dev)?,
+        b1: Tensor::from_vec(ramp(hidden, 11), hidden, &dev)?,
+        w2_t: Tensor::from_vec(ramp(hidden * d, 13), (hidden, d), &dev)?,
+    };
+    let meta = HeadsMeta {
+        format_version: FORMAT_VERSION,
+        model: model_ref(m, "tiny", sha.to_string(), 123),
+        heads: Vec::new(),
+        calibration: None,
+    };
+    let probe = ExitProbe {
+        weight: Tensor::from_vec(ramp(d, 9), (d, 1), &dev)?,
+        bias: Tensor::from_vec(vec![0.25f32], 1, &dev)?,
+    };
+    Ok(ExitHeads::new(meta, BTreeMap::from([(2, head)]))?.with_probe(2, probe)?)
+}
+
+#[test]
+fn trained_mlp_heads_and_probes_round_trip_bit_identically() -> anyhow::Result<()> {
+    let m = synthetic(Architecture::Llama);
+    let heads = trained_heads(&m, "cc33")?;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("tiny.gguf.exits.mlp.safetensors");
+    file::save(&heads, &path)?;
+    let back = file::load(&path, &m, &fp("cc33"))?;
+    assert_eq!(back.meta(), heads.meta());
+    assert_eq!(back.head(2)?.kind(), switchyard_exits::HeadKind::Mlp);
+    let x = m.embed(&[5, 6, 7, 8])?;
+    let a = heads.logits(&m, 2, &x)?.to_vec2::<f32>()?;
+    let b = back.logits(&m, 2, &x)?.to_vec2::<f32>()?;
+    assert_eq!(a, b);
+    // The MLP part is used: the same file without it gives other logits.
+    let lin = match back.head(2)? {
+        ExitHead::Mlp { weight_t, bias, .. } => ExitHead::Affine {
+            weight_t: weight_t.clone(),
+            bias: bias.clone(),
+        },
+        other => panic!("expected an MLP head, got {:?}", other.kind()),
+    };
+    let z = m.final_norm(&lin.translate(&x)?)?;
+    assert_ne!(m.lm_head(&z)?.to_vec2::<f32>()?, b);
+    // The probe's scores are identical too, and are probabilities.
+    let zn = m.final_norm(&back.head(2)?.translate(&x)?)?;
+    let (p, q) = (heads.probe(2), back.probe(2));
+    let (Some(p), Some(q)) = (p, q) else {
+        panic!("the probe did not round-trip");
+    };
+    let sp = p.score(&zn)?.to_vec1::<f32>()?;
+    assert_eq!(sp, q.score(&zn)?.to_vec1::<f32>()?);
+    assert!(sp.iter().all(|v| (0.0..=1.0).contains(v)), "{sp:?}");
+    // Another model's file is refused.
+    match file::load(&path, &m, &fp("dd44")) {
+        Err(ExitsError::StaleHeads { heads_sha256, .. }) => assert_eq!(heads_sha256, "cc33"),
+        other => panic!("expected StaleHeads, got {:?}", other.map(|h| h.depths())),
     }
     Ok(())
 }

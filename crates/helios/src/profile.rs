@@ -186,7 +186,7 @@ pub fn profile(
         let head = if d == n_layers {
             0
         } else {
-            target.heads.head(d).map(head_bytes)?
+            target.heads.head(d).map(ExitHead::bytes)?
         };
         let tps: Vec<f64> = runs[i].iter().map(|r| r.tokens_per_s).collect();
         let ttft: Vec<f64> = runs[i].iter().map(|r| r.ttft_ms).collect();
@@ -295,16 +295,6 @@ fn check_depths(target: &ProfileTarget<'_>, depths: &[usize]) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Bytes of weights the head at one depth keeps beyond the model's own.
-fn head_bytes(h: &ExitHead) -> usize {
-    match h {
-        ExitHead::Identity => 0,
-        ExitHead::Affine { weight_t, bias } => {
-            (weight_t.elem_count() + bias.elem_count()) * std::mem::size_of::<f32>()
-        }
-    }
 }
 
 /// UTF-8 bytes the scored tokens stand for, counted as `score_text` counts them: the whole

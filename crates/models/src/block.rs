@@ -56,6 +56,12 @@ impl RmsNorm {
     pub fn bytes(&self) -> usize {
         self.weight.elem_count() * self.weight.dtype().size_in_bytes()
     }
+
+    /// The scale vector (f32) and epsilon, for code that re-implements the norm with
+    /// differentiable tensor operations (exit-head training).
+    pub fn parts(&self) -> (&Tensor, f32) {
+        (&self.weight, self.eps)
+    }
 }
 
 /// How matrix weights are held once loaded.

@@ -3,7 +3,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use switchyard_kernels::QLinear;
 use switchyard_weights::{names, Architecture, ModelSpec, WeightSource};
 
@@ -370,6 +370,26 @@ impl LayeredModel {
     pub fn lm_head(&self, normed: &Tensor) -> Result<Tensor> {
         let _span = tracing::trace_span!("lm_head").entered();
         Ok(self.head.forward(normed)?)
+    }
+
+    /// The final norm's scale (f32) and epsilon.
+    pub fn final_norm_parts(&self) -> (&Tensor, f32) {
+        self.final_norm.parts()
+    }
+
+    /// The LM head's matrix dequantized to dense f32, `[vocab, d_model]`: the frozen
+    /// projection that exit-head training differentiates through.
+    pub fn lm_head_f32(&self) -> Result<Tensor> {
+        let name = if self.spec().tied_embeddings {
+            names::TOKEN_EMBD
+        } else {
+            names::OUTPUT
+        };
+        Ok(self
+            .source
+            .load(name, &self.device)?
+            .dequantize(&self.device)?
+            .to_dtype(DType::F32)?)
     }
 
     /// Final norm then LM head: `[rows, vocab]` logits.

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{post, sse_data, start, MODEL};
+use common::{post, start, MODEL};
 use serde_json::{json, Value};
 
 const JSON: &str = "application/json";
@@ -68,31 +68,10 @@ fn request(stream: bool) -> Value {
     r
 }
 
-async fn streamed(base: &str, body: Value) -> (u16, Option<String>, String, Vec<Value>) {
-    let resp = common::client()
-        .post(format!("{base}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("sent");
-    let status = resp.status().as_u16();
-    let served_by = resp
-        .headers()
+fn served_by(headers: &reqwest::header::HeaderMap) -> Option<&str> {
+    headers
         .get("x-switchyard-served-by")
         .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
-    let text = resp.text().await.expect("body");
-    let data = sse_data(&text);
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{text}");
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).expect("chunk is JSON"))
-        .collect();
-    let joined = chunks
-        .iter()
-        .filter_map(|c| c["choices"][0]["text"].as_str())
-        .collect();
-    (status, served_by, joined, chunks)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -111,19 +90,19 @@ async fn helios_serves_streamed_and_whole_answers_and_shows_its_pht() {
     )
     .await;
     assert_eq!(st, 200, "{first}");
-    assert_eq!(
-        headers
-            .get("x-switchyard-served-by")
-            .and_then(|v| v.to_str().ok()),
-        Some(MODEL)
-    );
+    assert_eq!(served_by(&headers), Some(MODEL));
     assert_eq!(first["model"], "helios");
     assert_eq!(first["usage"]["completion_tokens"], TOKENS);
 
     // Then the partial load serves: a streamed request and the same request whole.
-    let (st, served_by, text, chunks) = streamed(&s.base, request(true)).await;
-    assert_eq!(st, 200);
-    assert_eq!(served_by.as_deref(), Some(MODEL));
+    let common::Streamed {
+        status,
+        headers,
+        text,
+        chunks,
+    } = common::stream_completion(&s.base, request(true)).await;
+    assert_eq!(status, 200);
+    assert_eq!(served_by(&headers), Some(MODEL));
     assert!(chunks.iter().all(|c| c["model"] == "helios"));
     let usage = &chunks.last().expect("usage chunk")["usage"];
     assert_eq!(usage["completion_tokens"], TOKENS);

@@ -129,28 +129,6 @@ async fn admin_routes_are_off_unless_enabled() {
     assert_eq!(st, 404);
 }
 
-async fn streamed_text(base: &str, body: Value) -> (String, Vec<Value>) {
-    let resp = common::client()
-        .post(format!("{base}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("sent");
-    assert_eq!(resp.status().as_u16(), 200);
-    let text = resp.text().await.expect("body");
-    let data = sse_data(&text);
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).expect("chunk is JSON"))
-        .collect();
-    let joined = chunks
-        .iter()
-        .filter_map(|c| c["choices"][0]["text"].as_str())
-        .collect();
-    (joined, chunks)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streamed_text_equals_non_streamed_for_the_same_seed() {
     let s = start("").await;
@@ -160,7 +138,7 @@ async fn streamed_text_equals_non_streamed_for_the_same_seed() {
     let mut sbody = body.clone();
     sbody["stream"] = json!(true);
     sbody["stream_options"] = json!({"include_usage": true});
-    let (text, chunks) = streamed_text(&s.base, sbody).await;
+    let (text, chunks) = common::streamed_text(&s.base, sbody).await;
     assert_eq!(
         text,
         whole["choices"][0]["text"].as_str().unwrap_or_default()
@@ -299,8 +277,8 @@ async fn a_remote_backend_relays_a_second_instance_unchanged() {
         json!({"model": model, "prompt": "The three primary colors are", "max_tokens": 16,
                "temperature": 0, "stream": true, "stream_options": {"include_usage": true}})
     };
-    let (direct, direct_chunks) = streamed_text(&a.base, body(MODEL)).await;
-    let (relayed, relayed_chunks) = streamed_text(&b.base, body("relay")).await;
+    let (direct, direct_chunks) = common::streamed_text(&a.base, body(MODEL)).await;
+    let (relayed, relayed_chunks) = common::streamed_text(&b.base, body("relay")).await;
     assert_eq!(relayed, direct);
     assert!(!relayed.is_empty());
     // Chunk by chunk the same content; only the per-request id and time differ.

@@ -83,3 +83,52 @@ pub fn sse_data(body: &str) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// A streamed `/v1/completions` request.
+pub struct Streamed {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    /// The chunks' texts joined.
+    pub text: String,
+    /// Every event before `[DONE]`, parsed.
+    pub chunks: Vec<serde_json::Value>,
+}
+
+/// Posts a streamed completion request; the stream must end with `[DONE]`.
+pub async fn stream_completion(base: &str, body: serde_json::Value) -> Streamed {
+    let resp = client()
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("sent");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.text().await.expect("body");
+    let data = sse_data(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let chunks: Vec<serde_json::Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).expect("chunk is JSON"))
+        .collect();
+    let text = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    Streamed {
+        status,
+        headers,
+        text,
+        chunks,
+    }
+}
+
+/// A streamed completion that must succeed: its text and chunks.
+pub async fn streamed_text(
+    base: &str,
+    body: serde_json::Value,
+) -> (String, Vec<serde_json::Value>) {
+    let s = stream_completion(base, body).await;
+    assert_eq!(s.status, 200);
+    (s.text, s.chunks)
+}

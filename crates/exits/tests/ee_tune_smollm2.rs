@@ -1,0 +1,171 @@
+//! EE-Tuning on a real model (SmolLM2-135M): the frozen final norm and LM head that training
+//! differentiates through equal the model's own; a short run trains, scores and saves heads
+//! the serving path loads; the same seed gives bit-identical heads; an interrupted run
+//! resumes its finished exits from the checkpoint.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{Tensor, D};
+use switchyard_exits::calibrate::hidden_states;
+use switchyard_exits::corpus::Corpus;
+use switchyard_exits::fingerprint::fingerprint;
+use switchyard_exits::heads::{model_ref, ExitHead, HeadKind};
+use switchyard_exits::tune::run::{ee_tune, TuneConfig, TuneProgress, TuneTarget};
+use switchyard_exits::tune::Frozen;
+use switchyard_exits::{file, ExitHeads};
+use switchyard_models::{LayeredModel, LoadOptions};
+use switchyard_tokenizer::Tokenizer;
+
+const MODEL: &str = "smollm2-135m-instruct";
+const DEPTHS: &[usize] = &[12, 21];
+
+fn open() -> anyhow::Result<(std::path::PathBuf, LayeredModel, Tokenizer)> {
+    let path = switchyard_zoo::ensure(MODEL)?;
+    let src = switchyard_weights::open(&path)?;
+    let tokenizer = Tokenizer::from_source(&*src)?;
+    let model = LayeredModel::load(Arc::clone(&src), &LoadOptions::default())?;
+    Ok((path, model, tokenizer))
+}
+
+fn params(h: &ExitHead) -> anyhow::Result<Vec<Vec<f32>>> {
+    let ts: Vec<&Tensor> = match h {
+        ExitHead::Mlp {
+            weight_t,
+            bias,
+            w1_t,
+            b1,
+            w2_t,
+        } => vec![weight_t, bias, w1_t, b1, w2_t],
+        ExitHead::Affine { weight_t, bias } => vec![weight_t, bias],
+        ExitHead::Identity => Vec::new(),
+    };
+    Ok(ts
+        .iter()
+        .map(|t| t.flatten_all()?.to_vec1::<f32>())
+        .collect::<candle_core::Result<_>>()?)
+}
+
+#[test]
+fn the_frozen_head_is_the_models_own() -> anyhow::Result<()> {
+    let (_, model, tokenizer) = open()?;
+    let ids = tokenizer.encode("The quick brown fox jumps over the lazy dog.", true, false)?;
+    let (_, last) = hidden_states(&model, &ids, &[])?;
+    let frozen = Frozen::from_model(&model)?;
+    let ours = frozen.logits(&frozen.norm(&last)?)?;
+    let theirs = model.logits(&last)?;
+    // The serving head quantizes activations to 8 bits; the f32 head does not.
+    let diff = (&ours - &theirs)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let scale = theirs.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(diff <= 0.02 * scale, "max |Δlogit| {diff} of {scale}");
+    let a = ours.argmax(D::Minus1)?.to_vec1::<u32>()?;
+    let b = theirs.argmax(D::Minus1)?.to_vec1::<u32>()?;
+    let same = a.iter().zip(&b).filter(|(x, y)| x == y).count();
+    assert!(
+        same + 1 >= a.len(),
+        "argmax agrees on {same} of {}",
+        a.len()
+    );
+    Ok(())
+}
+
+fn tune(
+    model: &LayeredModel,
+    tokenizer: &Tokenizer,
+    path: &Path,
+    cache: &Path,
+    ckpt: &Path,
+    kind: HeadKind,
+) -> anyhow::Result<(ExitHeads, Vec<usize>)> {
+    let fp = fingerprint(path)?;
+    let target = TuneTarget {
+        model,
+        tokenizer,
+        model_ref: model_ref(model, MODEL, fp.sha256, fp.bytes),
+        cache_dir: cache.to_path_buf(),
+        checkpoint_dir: Some(ckpt.to_path_buf()),
+    };
+    let cfg = TuneConfig {
+        tokens: 1024,
+        eval_tokens: 256,
+        epochs: 1,
+        seed: 5,
+        ..TuneConfig::new(DEPTHS.to_vec(), kind)
+    };
+    let mut resumed = Vec::new();
+    let (heads, report) = ee_tune(&target, &Corpus::resolve("sharegpt")?, &cfg, |p| {
+        if let TuneProgress::Resumed { depth } = p {
+            resumed.push(depth);
+        }
+    })?;
+    // Lens, ridge and trained rows per depth, each with figures in range.
+    assert_eq!(report.rows.len(), 3 * DEPTHS.len());
+    for r in &report.rows {
+        assert!((0.0..=1.0).contains(&r.agreement), "{r:?}");
+        assert!(r.kl_nats >= 0.0 && r.bits_per_byte > 0.0, "{r:?}");
+    }
+    let trained: Vec<_> = report.rows.iter().filter(|r| r.head == "mlp").collect();
+    assert!(trained.iter().all(|r| r.auroc_probe.is_some()));
+    // The probe's check is far cheaper than the vocabulary head's.
+    for c in &report.check_costs {
+        assert!(c.probe_check_ms < c.head_check_ms, "{c:?}");
+    }
+    Ok((heads, resumed))
+}
+
+#[test]
+fn a_short_run_trains_saves_reproduces_and_resumes() -> anyhow::Result<()> {
+    let (path, model, tokenizer) = open()?;
+    let dir = tempfile::tempdir()?;
+    let cache = dir.path().join("cache");
+    let (a, resumed_a) = tune(
+        &model,
+        &tokenizer,
+        &path,
+        &cache,
+        &dir.path().join("a"),
+        HeadKind::Mlp,
+    )?;
+    assert!(resumed_a.is_empty());
+    let (b, _) = tune(
+        &model,
+        &tokenizer,
+        &path,
+        &cache,
+        &dir.path().join("b"),
+        HeadKind::Mlp,
+    )?;
+    // The same seed, the same heads, bit for bit.
+    for &d in DEPTHS {
+        assert_eq!(params(a.head(d)?)?, params(b.head(d)?)?, "depth {d}");
+    }
+    // A second run over the first one's checkpoints resumes every finished exit.
+    let (c, resumed_c) = tune(
+        &model,
+        &tokenizer,
+        &path,
+        &cache,
+        &dir.path().join("a"),
+        HeadKind::Mlp,
+    )?;
+    assert_eq!(resumed_c, DEPTHS.to_vec());
+    for &d in DEPTHS {
+        assert_eq!(params(a.head(d)?)?, params(c.head(d)?)?, "depth {d}");
+    }
+
+    // Saved beside the model, loaded as the serving path loads heads: the same logits.
+    let out = dir.path().join("heads.safetensors");
+    file::save(&a, &out)?;
+    let back = file::load(&out, &model, &fingerprint(&path)?)?;
+    let ids = tokenizer.encode("Once upon a time", true, false)?;
+    let (exits, _) = hidden_states(&model, &ids, DEPTHS)?;
+    for (&d, h) in DEPTHS.iter().zip(&exits) {
+        assert_eq!(back.head(d)?.kind(), HeadKind::Mlp);
+        assert_eq!(
+            a.logits(&model, d, h)?.to_vec2::<f32>()?,
+            back.logits(&model, d, h)?.to_vec2::<f32>()?
+        );
+        assert!(back.probe(d).is_some());
+    }
+    Ok(())
+}
