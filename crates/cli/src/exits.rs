@@ -33,6 +33,15 @@ fn measure(s: &str) -> anyhow::Result<ConfidenceMeasure> {
         .ok_or_else(|| anyhow::anyhow!("unknown confidence {s:?}: max-prob or margin"))
 }
 
+/// An exit decision: a confidence measure, or `probe` (the exit probes of `ee-tune` heads;
+/// the threshold then applies to the probe's probability).
+fn decision(s: &str) -> anyhow::Result<(ConfidenceMeasure, bool)> {
+    match s {
+        "probe" => Ok((ConfidenceMeasure::MaxProb, true)),
+        other => Ok((measure(other)?, false)),
+    }
+}
+
 fn kv_fix(s: &str) -> anyhow::Result<KvFix> {
     KvFix::parse(s).ok_or_else(|| anyhow::anyhow!("unknown KV fix {s:?}: recompute or propagate"))
 }
@@ -328,7 +337,8 @@ pub struct BenchExitsArgs {
     /// KV fixes to measure: recompute, propagate.
     #[arg(long, value_delimiter = ',', default_values_t = ["recompute".to_string(), "propagate".to_string()])]
     exit_kv: Vec<String>,
-    #[arg(long, default_value = "max-prob", value_parser = ["max-prob", "margin"])]
+    /// Exit decision: max-prob, margin, or probe (the exit probes of `ee-tune` heads).
+    #[arg(long, default_value = "max-prob", value_parser = ["max-prob", "margin", "probe"])]
     confidence: String,
     /// Exit depths checked (default: every head).
     #[arg(long, value_delimiter = ',')]
@@ -366,7 +376,8 @@ pub fn run_bench_exits(a: BenchExitsArgs, threads: usize) -> anyhow::Result<()> 
             .iter()
             .map(|s| kv_fix(s))
             .collect::<anyhow::Result<_>>()?,
-        measure: measure(&a.confidence)?,
+        measure: decision(&a.confidence)?.0,
+        probe: decision(&a.confidence)?.1,
         depths: a.exits,
         prompt_tokens: a.prompt_tokens,
         generate_tokens: a.generate_tokens,
@@ -405,7 +416,8 @@ pub struct EarlyExitArgs {
     /// How skipped layers get K/V: recompute (EE-LLM) or propagate (CALM).
     #[arg(long, default_value = "recompute", value_parser = ["recompute", "propagate"], requires = "early_exit")]
     exit_kv: String,
-    #[arg(long, default_value = "max-prob", value_parser = ["max-prob", "margin"], requires = "early_exit")]
+    /// Exit decision: max-prob, margin, or probe (the exit probes of `ee-tune` heads).
+    #[arg(long, default_value = "max-prob", value_parser = ["max-prob", "margin", "probe"], requires = "early_exit")]
     confidence: String,
     /// Exit depths checked (default: every head).
     #[arg(long, value_delimiter = ',', requires = "early_exit")]
@@ -429,10 +441,12 @@ pub fn generate(
     a: &EarlyExitArgs,
 ) -> anyhow::Result<()> {
     let heads = open_heads(name, loaded, &a.heads, a.exits.as_deref())?;
+    let (measure, probe) = decision(&a.confidence)?;
     let policy = ExitPolicy {
         threshold: a.threshold,
-        measure: measure(&a.confidence)?,
+        measure,
         depths: a.exits.clone().unwrap_or_else(|| heads.depths()),
+        probe,
     };
     let ctx = switchyard_exits::baseline::EeContext {
         model: &loaded.model,

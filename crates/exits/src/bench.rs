@@ -31,6 +31,8 @@ pub struct ExitBenchOptions {
     pub thresholds: Vec<f32>,
     pub fixes: Vec<KvFix>,
     pub measure: ConfidenceMeasure,
+    /// Decide with the exit probes instead of the confidence (see [`ExitPolicy::probe`]).
+    pub probe: bool,
     /// Exit depths checked (all heads when `None`).
     pub depths: Option<Vec<usize>>,
     pub prompt_tokens: usize,
@@ -46,6 +48,7 @@ impl Default for ExitBenchOptions {
             thresholds: DEFAULT_THRESHOLDS.to_vec(),
             fixes: vec![KvFix::Recompute, KvFix::Propagate],
             measure: ConfidenceMeasure::MaxProb,
+            probe: false,
             depths: None,
             prompt_tokens: DEFAULT_PROMPT_TOKENS,
             generate_tokens: DEFAULT_GENERATE_TOKENS,
@@ -102,6 +105,8 @@ pub struct ExitBenchReport {
     pub exit_depths: Vec<usize>,
     pub head_kinds: Vec<String>,
     pub confidence: ConfidenceMeasure,
+    /// The exit decision was the exit probes' (`confidence` then unused).
+    pub probe: bool,
     pub threads: usize,
     pub file: String,
     pub prompt_tokens: usize,
@@ -195,6 +200,7 @@ pub fn bench_exits(
                 threshold,
                 measure: opts.measure,
                 depths: depths.clone(),
+                probe: opts.probe,
             };
             configs.push((fix, policy));
         }
@@ -283,6 +289,7 @@ pub fn bench_exits(
             .collect::<Result<_>>()?,
         exit_depths: depths,
         confidence: opts.measure,
+        probe: opts.probe,
         threads: target.threads,
         file: file_name.to_string(),
         prompt_tokens: prompt.len(),
@@ -301,8 +308,15 @@ impl ExitBenchReport {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "### EE-LLM baseline: {} ({} layers, exits at {:?}, {} threads, {}, median of {} runs)\n",
-            self.model, self.n_layers, self.exit_depths, self.threads, self.file, self.runs
+            "### EE-LLM baseline: {} ({} layers, exits at {:?} through {} heads, decided by {}, {} threads, {}, median of {} runs)\n",
+            self.model,
+            self.n_layers,
+            self.exit_depths,
+            self.head_kinds.first().map_or("no", String::as_str),
+            if self.probe { "the exit probes" } else { self.confidence.as_str() },
+            self.threads,
+            self.file,
+            self.runs
         );
         let _ = writeln!(
             s,

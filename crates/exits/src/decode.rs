@@ -63,6 +63,10 @@ pub struct ExitPolicy {
     pub measure: ConfidenceMeasure,
     /// Depths checked, increasing; each must have a head. Empty: full depth, no checks.
     pub depths: Vec<usize>,
+    /// Decide with each exit's probe (CALM's classifier, trained by `ee-tune`) instead of the
+    /// exit's confidence: a check then costs the head and the probe, and the vocabulary head
+    /// runs once, at the exit taken. `threshold` applies to the probe's probability.
+    pub probe: bool,
 }
 
 impl ExitPolicy {
@@ -72,6 +76,7 @@ impl ExitPolicy {
             threshold,
             measure: ConfidenceMeasure::MaxProb,
             depths: heads.depths(),
+            probe: false,
         }
     }
 
@@ -81,6 +86,7 @@ impl ExitPolicy {
             threshold: 1.0,
             measure: ConfidenceMeasure::MaxProb,
             depths: Vec::new(),
+            probe: false,
         }
     }
 }
@@ -100,7 +106,8 @@ pub struct StepOutput {
 pub struct DecodeCounters {
     /// Tokens stepped.
     pub steps: u64,
-    /// Exit heads evaluated (each a pass through the LM head).
+    /// Exit checks made (each a pass through the LM head, or through the probe when the
+    /// policy decides with probes).
     pub exit_checks: u64,
     /// Layer passes of earlier positions re-run by recomputation (rows × layers).
     pub recomputed_row_layers: u64,
@@ -219,6 +226,27 @@ impl<'m> EarlyExitDecoder<'m> {
             if self.policy.depths.get(next_check) == Some(&depth) {
                 next_check += 1;
                 let last = h.narrow(0, rows - 1, 1)?;
+                if self.policy.probe {
+                    self.counters.exit_checks += 1;
+                    let z = self
+                        .model
+                        .final_norm(&self.heads.head(depth)?.translate(&last)?)?;
+                    let probe = self
+                        .heads
+                        .probe(depth)
+                        .ok_or(ExitsError::NoProbe { depth })?;
+                    let score = probe.score(&z)?.to_vec1::<f32>()?;
+                    if score
+                        .first()
+                        .is_some_and(|&p| passes(p, self.policy.threshold))
+                    {
+                        let logits = self.model.lm_head(&z)?.flatten_all()?.to_vec1::<f32>()?;
+                        let stats = token_stats(&logits);
+                        self.exit(start, depth, &h)?;
+                        return Ok(self.finish(depth, logits, stats));
+                    }
+                    continue;
+                }
                 let logits = self.heads.logits(self.model, depth, &last)?;
                 let logits = logits.flatten_all()?.to_vec1::<f32>()?;
                 let stats = token_stats(&logits);
@@ -305,6 +333,9 @@ fn check_policy(model: &LayeredModel, heads: &ExitHeads, policy: &ExitPolicy) ->
             });
         }
         heads.head(d)?;
+        if policy.probe && heads.probe(d).is_none() {
+            return Err(ExitsError::NoProbe { depth: d });
+        }
     }
     Ok(())
 }

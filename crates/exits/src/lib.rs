@@ -78,6 +78,8 @@ pub enum ExitsError {
     HeadsMismatch { path: PathBuf, detail: String },
     #[error("{path}: head kind {kind:?} is not supported by this build (identity, affine and mlp are; block heads are not implemented)")]
     UnsupportedHeadKind { path: PathBuf, kind: String },
+    #[error("the exit head at depth {depth} has no exit probe; train one with `switchyard ee-tune`, or decide by confidence")]
+    NoProbe { depth: usize },
     #[error("no exit head at depth {depth} (heads at {available:?})")]
     NoHead { depth: usize, available: Vec<usize> },
     #[error("exit depth {depth} must be between 1 and {max} (the model has {n_layers} layers)")]

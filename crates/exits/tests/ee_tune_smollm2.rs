@@ -13,7 +13,9 @@ use switchyard_exits::fingerprint::fingerprint;
 use switchyard_exits::heads::{model_ref, ExitHead, HeadKind};
 use switchyard_exits::tune::run::{ee_tune, TuneConfig, TuneProgress, TuneTarget};
 use switchyard_exits::tune::Frozen;
-use switchyard_exits::{file, ExitHeads};
+use switchyard_exits::{
+    file, ConfidenceMeasure, EarlyExitDecoder, ExitHeads, ExitPolicy, ExitsError, KvFix,
+};
 use switchyard_models::{LayeredModel, LoadOptions};
 use switchyard_tokenizer::Tokenizer;
 
@@ -166,6 +168,42 @@ fn a_short_run_trains_saves_reproduces_and_resumes() -> anyhow::Result<()> {
             back.logits(&model, d, h)?.to_vec2::<f32>()?
         );
         assert!(back.probe(d).is_some());
+    }
+
+    // Per-token exit decided by the probes: threshold 0 exits every token at the first exit
+    // with that head's logits, threshold 1 never exits; heads without probes are refused.
+    let (prefix, last) = ids.split_at(ids.len() - 1);
+    let policy = |threshold: f32| ExitPolicy {
+        threshold,
+        measure: ConfidenceMeasure::MaxProb,
+        depths: DEPTHS.to_vec(),
+        probe: true,
+    };
+    let step = |threshold: f32| -> anyhow::Result<(usize, Vec<f32>)> {
+        let mut dec = EarlyExitDecoder::new(&model, &back, policy(threshold), KvFix::Recompute)?;
+        dec.prefill(prefix)?;
+        let out = dec.step(last[0])?;
+        Ok((out.depth, out.logits))
+    };
+    let (depth, logits) = step(0.0)?;
+    assert_eq!(depth, DEPTHS[0]);
+    let at_exit = back
+        .logits(&model, DEPTHS[0], &exits[0].narrow(0, ids.len() - 1, 1)?)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    let argmax = |v: &[f32]| {
+        v.iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map(|(i, _)| i)
+    };
+    assert_eq!(argmax(&logits), argmax(&at_exit));
+    assert_eq!(step(1.0)?.0, model.n_layers());
+    let lens = ExitHeads::logit_lens(&model, MODEL, DEPTHS)?;
+    match EarlyExitDecoder::new(&model, &lens, policy(0.5), KvFix::Recompute) {
+        Err(e @ ExitsError::NoProbe { .. }) => assert!(e.to_string().contains("ee-tune"), "{e}"),
+        Err(e) => panic!("expected NoProbe, got {e}"),
+        Ok(_) => panic!("expected NoProbe, got a decoder"),
     }
     Ok(())
 }

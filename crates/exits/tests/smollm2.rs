@@ -230,6 +230,7 @@ fn both_kv_fixes_fill_the_skipped_layers() -> anyhow::Result<()> {
         threshold: 0.0,
         measure: ConfidenceMeasure::MaxProb,
         depths: vec![exit_at],
+        probe: false,
     };
     let never = ExitPolicy {
         threshold: 1.0,

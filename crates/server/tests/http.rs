@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{post, sse_data, start, MODEL};
+use common::{post, start, MODEL};
 use futures::StreamExt;
 use serde_json::{json, Value};
 

@@ -168,6 +168,7 @@ pub(super) fn run_ee_llm(
         threshold: opts.policy.threshold,
         measure: ConfidenceMeasure::MaxProb,
         depths: heads.depths(),
+        probe: false,
     };
     let ee = EeContext {
         model: &model,
