@@ -211,6 +211,11 @@ pub struct EvalExitsArgs {
     /// Write PNG plots into DIR.
     #[arg(long, value_name = "DIR")]
     plot: Option<PathBuf>,
+    /// Also score these heads files (e.g. `ee-tune` output) side by side with the logit lens
+    /// on held-out rows of --file: agreement, KL, bits per byte, ECE, exitable share at
+    /// 85/90/95% precision, AUROCs and the exit check's cost. Repeatable.
+    #[arg(long = "head", value_name = "FILE")]
+    head_files: Vec<PathBuf>,
     /// Write the result as JSON to FILE (stdout when omitted).
     #[arg(long, value_name = "FILE", num_args = 0..=1)]
     json: Option<Option<PathBuf>>,
@@ -220,7 +225,116 @@ pub struct EvalExitsArgs {
 struct EvalExitsReport {
     studies: Vec<StudyReport>,
     pair: Option<PairReport>,
+    heads: Option<HeadsComparison>,
     plots: Vec<String>,
+}
+
+/// `eval exits --head`: heads files scored side by side.
+#[derive(Serialize)]
+struct HeadsComparison {
+    files: Vec<String>,
+    full_depth_bits_per_byte: f64,
+    rows: Vec<switchyard_exits::tune::eval::HeadScores>,
+    check_costs: Vec<switchyard_exits::tune::run::CheckCost>,
+}
+
+impl HeadsComparison {
+    fn markdown(&self) -> String {
+        use std::fmt::Write as _;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "### Exit heads side by side (held-out; full depth {:.4} bits per byte)\n\n| depth | head | top-1 agreement (oracle) | KL (nats) | bits/byte (Δ) | ECE | exit share at 85/90/95% precision, max-prob | same, probe | AUROC max-prob / probe |\n|---|---|---|---|---|---|---|---|---|",
+            self.full_depth_bits_per_byte
+        );
+        let shares = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{:.1}%", 100.0 * x))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        };
+        for r in &self.rows {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {:.1}% | {:.3} | {:.4} ({:+.1}%) | {:.3} | {} | {} | {:.3} / {} |",
+                r.depth,
+                r.head,
+                100.0 * r.agreement,
+                r.kl_nats,
+                r.bits_per_byte,
+                100.0 * (r.bits_per_byte / self.full_depth_bits_per_byte - 1.0),
+                r.ece,
+                shares(&r.exit_share_max_prob),
+                r.exit_share_probe.as_deref().map_or("-".into(), shares),
+                r.auroc_max_prob,
+                r.auroc_probe.map_or("-".into(), |a| format!("{a:.3}"))
+            );
+        }
+        if !self.check_costs.is_empty() {
+            let _ = writeln!(s, "\n| depth | exit check, vocabulary head (ms) | exit check, probe (ms) |\n|---|---|---|");
+            for c in &self.check_costs {
+                let _ = writeln!(
+                    s,
+                    "| {} | {:.3} | {:.3} |",
+                    c.depth, c.head_check_ms, c.probe_check_ms
+                );
+            }
+        }
+        s
+    }
+}
+
+/// Scores `files` (heads for `name`) side by side on held-out rows of `corpus`.
+fn compare_heads(
+    name: &str,
+    files: &[PathBuf],
+    corpus: &Corpus,
+    tokens: usize,
+) -> anyhow::Result<HeadsComparison> {
+    let loaded = load_model(name, &LoadOptions::default())?;
+    let model_path = switchyard_zoo::resolve_model(name)?;
+    let fp = fingerprint::fingerprint(&model_path)?;
+    let sets = files
+        .iter()
+        .map(|f| Ok(file::load(f, &loaded.model, &fp)?))
+        .collect::<anyhow::Result<Vec<ExitHeads>>>()?;
+    let named: Vec<(String, &ExitHeads)> = files
+        .iter()
+        .zip(&sets)
+        .map(|(f, h)| {
+            let stem = f.file_name().map_or_else(
+                || f.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            );
+            (stem, h)
+        })
+        .collect();
+    let target = switchyard_exits::tune::run::TuneTarget {
+        model: &loaded.model,
+        tokenizer: &loaded.tokenizer,
+        model_ref: model_ref(&loaded.model, name, fp.sha256, fp.bytes),
+        cache_dir: switchyard_zoo::home().join("tmp").join("ee-tune"),
+        checkpoint_dir: None,
+    };
+    let pb = bar("caching held-out hidden states {bar:40} {pos}/{len} ({eta})");
+    let (rows, check_costs, full) = switchyard_exits::tune::run::score_heads(
+        &target,
+        corpus,
+        &named,
+        tokens,
+        switchyard_exits::corpus::DEFAULT_DOC_TOKENS,
+        |done, total| {
+            pb.set_length(total as u64);
+            pb.set_position(done as u64);
+        },
+    )?;
+    pb.finish_and_clear();
+    Ok(HeadsComparison {
+        files: files.iter().map(|f| f.display().to_string()).collect(),
+        full_depth_bits_per_byte: full,
+        rows,
+        check_costs,
+    })
 }
 
 pub fn run_eval_exits(a: EvalExitsArgs) -> anyhow::Result<()> {
@@ -277,6 +391,14 @@ pub fn run_eval_exits(a: EvalExitsArgs) -> anyhow::Result<()> {
     if let Some(p) = &pair {
         md.push_str(&p.markdown());
     }
+    let heads = if a.head_files.is_empty() {
+        None
+    } else {
+        let c = compare_heads(&a.model, &a.head_files, &corpus, a.tokens)?;
+        eprintln!("{}", c.markdown());
+        md.push_str(&c.markdown());
+        Some(c)
+    };
     write_text(&a.markdown, &md)?;
     let mut plots = Vec::new();
     if let Some(dir) = &a.plot {
@@ -298,6 +420,7 @@ pub fn run_eval_exits(a: EvalExitsArgs) -> anyhow::Result<()> {
         &EvalExitsReport {
             studies,
             pair,
+            heads,
             plots: plots.iter().map(|p| p.display().to_string()).collect(),
         },
     )

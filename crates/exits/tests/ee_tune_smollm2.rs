@@ -11,7 +11,9 @@ use switchyard_exits::calibrate::hidden_states;
 use switchyard_exits::corpus::Corpus;
 use switchyard_exits::fingerprint::fingerprint;
 use switchyard_exits::heads::{model_ref, ExitHead, HeadKind};
-use switchyard_exits::tune::run::{ee_tune, TuneConfig, TuneProgress, TuneTarget};
+use switchyard_exits::tune::run::{
+    ee_tune, score_heads, TuneConfig, TuneProgress, TuneReport, TuneTarget,
+};
 use switchyard_exits::tune::Frozen;
 use switchyard_exits::{
     file, ConfidenceMeasure, EarlyExitDecoder, ExitHeads, ExitPolicy, ExitsError, KvFix,
@@ -78,7 +80,7 @@ fn tune(
     cache: &Path,
     ckpt: &Path,
     kind: HeadKind,
-) -> anyhow::Result<(ExitHeads, Vec<usize>)> {
+) -> anyhow::Result<(ExitHeads, Vec<usize>, TuneReport)> {
     let fp = fingerprint(path)?;
     let target = TuneTarget {
         model,
@@ -112,7 +114,7 @@ fn tune(
     for c in &report.check_costs {
         assert!(c.probe_check_ms < c.head_check_ms, "{c:?}");
     }
-    Ok((heads, resumed))
+    Ok((heads, resumed, report))
 }
 
 #[test]
@@ -120,7 +122,7 @@ fn a_short_run_trains_saves_reproduces_and_resumes() -> anyhow::Result<()> {
     let (path, model, tokenizer) = open()?;
     let dir = tempfile::tempdir()?;
     let cache = dir.path().join("cache");
-    let (a, resumed_a) = tune(
+    let (a, resumed_a, report_a) = tune(
         &model,
         &tokenizer,
         &path,
@@ -129,7 +131,7 @@ fn a_short_run_trains_saves_reproduces_and_resumes() -> anyhow::Result<()> {
         HeadKind::Mlp,
     )?;
     assert!(resumed_a.is_empty());
-    let (b, _) = tune(
+    let (b, _, _) = tune(
         &model,
         &tokenizer,
         &path,
@@ -142,7 +144,7 @@ fn a_short_run_trains_saves_reproduces_and_resumes() -> anyhow::Result<()> {
         assert_eq!(params(a.head(d)?)?, params(b.head(d)?)?, "depth {d}");
     }
     // A second run over the first one's checkpoints resumes every finished exit.
-    let (c, resumed_c) = tune(
+    let (c, resumed_c, _) = tune(
         &model,
         &tokenizer,
         &path,
@@ -153,6 +155,39 @@ fn a_short_run_trains_saves_reproduces_and_resumes() -> anyhow::Result<()> {
     assert_eq!(resumed_c, DEPTHS.to_vec());
     for &d in DEPTHS {
         assert_eq!(params(a.head(d)?)?, params(c.head(d)?)?, "depth {d}");
+    }
+
+    // `eval exits --head`: the same held-out rows score the same heads the same way.
+    let fp = fingerprint(&path)?;
+    let target = TuneTarget {
+        model: &model,
+        tokenizer: &tokenizer,
+        model_ref: model_ref(&model, MODEL, fp.sha256, fp.bytes),
+        cache_dir: cache.clone(),
+        checkpoint_dir: None,
+    };
+    let (rows, costs, _) = score_heads(
+        &target,
+        &Corpus::resolve("sharegpt")?,
+        &[("a".to_string(), &a)],
+        256,
+        switchyard_exits::corpus::DEFAULT_DOC_TOKENS,
+        |_, _| {},
+    )?;
+    assert_eq!(rows.len(), 2 * DEPTHS.len());
+    assert_eq!(costs.len(), DEPTHS.len());
+    for &d in DEPTHS {
+        let mine = rows.iter().find(|r| r.depth == d && r.head == "a (mlp)");
+        let theirs = report_a
+            .rows
+            .iter()
+            .find(|r| r.depth == d && r.head == "mlp");
+        let (Some(mine), Some(theirs)) = (mine, theirs) else {
+            panic!("depth {d} is missing: {rows:?}");
+        };
+        assert_eq!(mine.agreement, theirs.agreement);
+        assert_eq!(mine.kl_nats, theirs.kl_nats);
+        assert_eq!(mine.auroc_probe, theirs.auroc_probe);
     }
 
     // Saved beside the model, loaded as the serving path loads heads: the same logits.

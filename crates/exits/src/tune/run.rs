@@ -346,6 +346,67 @@ pub fn ee_tune(
     Ok((out, report))
 }
 
+/// Held-out scores of several sets of heads side by side (`eval exits --head`): per depth of
+/// each set, the logit lens once, then every set's head there, probes included. The rows of
+/// `cfg`'s held-out split are cached like ee-tune's.
+pub fn score_heads(
+    target: &TuneTarget<'_>,
+    corpus: &Corpus,
+    sets: &[(String, &ExitHeads)],
+    eval_tokens: usize,
+    doc_tokens: usize,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<(Vec<HeadScores>, Vec<CheckCost>, f64)> {
+    let model = target.model;
+    let dev = model.device().clone();
+    let mut depths: Vec<usize> = sets.iter().flat_map(|(_, h)| h.depths()).collect();
+    depths.sort_unstable();
+    depths.dedup();
+    if depths.is_empty() {
+        return Err(ExitsError::Invalid("no exit heads to score".into()));
+    }
+    let key = CacheKey {
+        model_sha256: &target.model_ref.sha256,
+        corpus,
+        split: Split::HeldOut,
+        depths: &depths,
+        doc_tokens,
+        rows: eval_tokens,
+    };
+    let held = HiddenCache::open_or_build(
+        &target.cache_dir,
+        &key,
+        model,
+        target.tokenizer,
+        &mut progress,
+    )?;
+    let frozen = Frozen::from_model(model)?;
+    let last = held.slot(held.final_slot(), &dev)?;
+    let next = &held.meta.next_tokens;
+    let mut rows = Vec::new();
+    let mut costs = Vec::new();
+    let mut full_bpb = f64::NAN;
+    for (slot, &depth) in depths.iter().enumerate() {
+        let x = held.slot(slot, &dev)?;
+        let o = observe(&ExitHead::Identity, None, &frozen, &x, &last, next)?;
+        full_bpb = super::eval::bits_per_byte(&o.nll_final, held.meta.bytes);
+        rows.push(score(depth, "lens", &o, held.meta.bytes));
+        for (name, heads) in sets {
+            let Ok(head) = heads.head(depth) else {
+                continue;
+            };
+            let probe = heads.probe(depth);
+            let o = observe(head, probe, &frozen, &x, &last, next)?;
+            let label = format!("{name} ({})", head.kind().as_str());
+            rows.push(score(depth, &label, &o, held.meta.bytes));
+            if let Some(p) = probe {
+                costs.push(check_cost(model, depth, head, p, &x)?);
+            }
+        }
+    }
+    Ok((rows, costs, full_bpb))
+}
+
 /// The ridge solution mapping exit rows to final rows (the tuned lens), the starting point.
 fn ridge_head(x: &Tensor, y: &Tensor, lambda_rel: f64, depth: usize) -> Result<ExitHead> {
     let (rows, d) = x.dims2()?;
