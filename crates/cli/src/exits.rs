@@ -244,32 +244,13 @@ impl HeadsComparison {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "### Exit heads side by side (held-out; full depth {:.4} bits per byte)\n\n| depth | head | top-1 agreement (oracle) | KL (nats) | bits/byte (Δ) | ECE | exit share at 85/90/95% precision, max-prob | same, probe | AUROC max-prob / probe |\n|---|---|---|---|---|---|---|---|---|",
+            "### Exit heads side by side (held-out; full depth {:.4} bits per byte)\n",
             self.full_depth_bits_per_byte
         );
-        let shares = |v: &[f64]| {
-            v.iter()
-                .map(|x| format!("{:.1}%", 100.0 * x))
-                .collect::<Vec<_>>()
-                .join(" / ")
-        };
-        for r in &self.rows {
-            let _ = writeln!(
-                s,
-                "| {} | {} | {:.1}% | {:.3} | {:.4} ({:+.1}%) | {:.3} | {} | {} | {:.3} / {} |",
-                r.depth,
-                r.head,
-                100.0 * r.agreement,
-                r.kl_nats,
-                r.bits_per_byte,
-                100.0 * (r.bits_per_byte / self.full_depth_bits_per_byte - 1.0),
-                r.ece,
-                shares(&r.exit_share_max_prob),
-                r.exit_share_probe.as_deref().map_or("-".into(), shares),
-                r.auroc_max_prob,
-                r.auroc_probe.map_or("-".into(), |a| format!("{a:.3}"))
-            );
-        }
+        s.push_str(&switchyard_exits::tune::eval::scores_table(
+            &self.rows,
+            self.full_depth_bits_per_byte,
+        ));
         if !self.check_costs.is_empty() {
             let _ = writeln!(s, "\n| depth | exit check, vocabulary head (ms) | exit check, probe (ms) |\n|---|---|---|");
             for c in &self.check_costs {

@@ -132,6 +132,43 @@ pub fn score(depth: usize, head: &str, o: &Observed, bytes: u64) -> HeadScores {
     }
 }
 
+/// The Markdown table of `rows` (Δ bits per byte relative to `full_bpb`).
+pub fn scores_table(rows: &[HeadScores], full_bpb: f64) -> String {
+    use std::fmt::Write as _;
+    let pct: Vec<String> = PRECISIONS
+        .iter()
+        .map(|p| format!("{:.0}%", p * 100.0))
+        .collect();
+    let mut s = format!(
+        "| depth | head | top-1 agreement (oracle) | KL (nats) | bits/byte (Δ vs full) | ECE | exit share at {} precision, max-prob | same, probe | AUROC max-prob / probe |\n|---|---|---|---|---|---|---|---|---|\n",
+        pct.join(" / ")
+    );
+    let shares = |v: &[f64]| -> String {
+        v.iter()
+            .map(|x| format!("{:.1}%", x * 100.0))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    };
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {:.1}% | {:.3} | {:.4} ({:+.1}%) | {:.3} | {} | {} | {:.3} / {} |",
+            r.depth,
+            r.head,
+            r.agreement * 100.0,
+            r.kl_nats,
+            r.bits_per_byte,
+            100.0 * (r.bits_per_byte / full_bpb - 1.0),
+            r.ece,
+            shares(&r.exit_share_max_prob),
+            r.exit_share_probe.as_deref().map_or("-".into(), shares),
+            r.auroc_max_prob,
+            r.auroc_probe.map_or("-".into(), |a| format!("{a:.3}"))
+        );
+    }
+    s
+}
+
 /// `Σ nll / ln 2 / bytes`.
 pub fn bits_per_byte(nll: &[f32], bytes: u64) -> f64 {
     nll.iter().map(|&v| f64::from(v)).sum::<f64>() / std::f64::consts::LN_2 / bytes.max(1) as f64

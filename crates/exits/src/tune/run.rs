@@ -13,7 +13,7 @@ use switchyard_models::LayeredModel;
 use switchyard_tokenizer::Tokenizer;
 
 use super::cache::{CacheKey, HiddenCache};
-use super::eval::{observe, score, HeadScores, PRECISIONS};
+use super::eval::{observe, score, HeadScores};
 use super::{epoch_order, fit_probe, optimizer, train_step, Batch, Frozen, Trainable};
 use crate::corpus::{Corpus, Split, HELD_OUT_EVERY};
 use crate::heads::{
@@ -584,39 +584,10 @@ impl TuneReport {
             self.full_depth_bits_per_byte,
             self.seconds
         );
-        let pct: Vec<String> = PRECISIONS
-            .iter()
-            .map(|p| format!("{:.0}%", p * 100.0))
-            .collect();
-        let _ = writeln!(
-            s,
-            "| depth | head | top-1 agreement (oracle) | KL (nats) | bits/byte (Δ vs full) | ECE | exit share at {} precision, max-prob | same, probe | AUROC max-prob / probe |",
-            pct.join(" / ")
-        );
-        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
-        let shares = |v: &[f64]| -> String {
-            v.iter()
-                .map(|x| format!("{:.1}%", x * 100.0))
-                .collect::<Vec<_>>()
-                .join(" / ")
-        };
-        for r in &self.rows {
-            let _ = writeln!(
-                s,
-                "| {} | {} | {:.1}% | {:.3} | {:.4} ({:+.1}%) | {:.3} | {} | {} | {:.3} / {} |",
-                r.depth,
-                r.head,
-                r.agreement * 100.0,
-                r.kl_nats,
-                r.bits_per_byte,
-                100.0 * (r.bits_per_byte / self.full_depth_bits_per_byte - 1.0),
-                r.ece,
-                shares(&r.exit_share_max_prob),
-                r.exit_share_probe.as_deref().map_or("-".into(), shares),
-                r.auroc_max_prob,
-                r.auroc_probe.map_or("-".into(), |a| format!("{a:.3}"))
-            );
-        }
+        s.push_str(&super::eval::scores_table(
+            &self.rows,
+            self.full_depth_bits_per_byte,
+        ));
         let _ = writeln!(
             s,
             "\n| depth | exit check, vocabulary head (ms) | exit check, probe (ms) | training loss per epoch |\n|---|---|---|---|"
