@@ -24,9 +24,10 @@ use crate::ridge::RidgeStats;
 use crate::{ExitsError, Result};
 
 /// Training rows by default. Each row costs three products with the vocabulary matrix per
-/// epoch (target, exit, gradient), about 2 ms each for SmolLM2-135M on 2 cores (a small run's
-/// total time divided by its products), so the default (9 exits, 2 epochs, plus the probe and the held-out scoring) is
-/// about 20-25 minutes for it; larger vocabularies cost proportionally more.
+/// epoch (target, exit, gradient), about 2 ms each for SmolLM2-135M on 2 cores (a small
+/// run's total time divided by its products), so the default (9 exits, 2 epochs, plus the
+/// probe and the held-out scoring) takes about 20-25 minutes for it; larger vocabularies cost
+/// proportionally more.
 pub const DEFAULT_TOKENS: usize = 8192;
 /// Held-out rows scored by default.
 pub const DEFAULT_EVAL_TOKENS: usize = 4096;
