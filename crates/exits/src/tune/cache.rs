@@ -167,7 +167,9 @@ fn build(
     tokenizer: &Tokenizer,
     progress: &mut impl FnMut(usize, usize),
 ) -> Result<CacheMeta> {
-    let tmp = PathBuf::from(format!("{}.tmp", data.display()));
+    // A temporary name per process: two runs building the same cache at once each write their
+    // own file and rename it into place (same contents), instead of one renaming the other's.
+    let tmp = PathBuf::from(format!("{}.{}.tmp", data.display(), std::process::id()));
     let file = std::fs::File::create(&tmp).map_err(ExitsError::io(&tmp))?;
     let mut w = BufWriter::new(file);
     let d = model.spec().d_model;
