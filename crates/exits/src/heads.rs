@@ -92,7 +92,15 @@ impl ExitHead {
 
     /// Bytes of weights the head keeps beyond the model's own.
     pub fn bytes(&self) -> usize {
-        let tensors: Vec<&Tensor> = match self {
+        self.tensors()
+            .iter()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
+    }
+
+    /// The head's parameters: none, `[Aᵀ, b]`, or `[Aᵀ, b, W₁ᵀ, b₁, W₂ᵀ]`.
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        match self {
             Self::Identity => Vec::new(),
             Self::Affine { weight_t, bias } => vec![weight_t, bias],
             Self::Mlp {
@@ -102,11 +110,7 @@ impl ExitHead {
                 b1,
                 w2_t,
             } => vec![weight_t, bias, w1_t, b1, w2_t],
-        };
-        tensors
-            .iter()
-            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-            .sum()
+        }
     }
 
     /// Hidden rows `[rows, d_model]` mapped into the final layer's hidden space.

@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::{Tensor, D};
+use candle_core::D;
 use switchyard_exits::calibrate::hidden_states;
 use switchyard_exits::corpus::Corpus;
 use switchyard_exits::fingerprint::fingerprint;
@@ -33,18 +33,7 @@ fn open() -> anyhow::Result<(std::path::PathBuf, LayeredModel, Tokenizer)> {
 }
 
 fn params(h: &ExitHead) -> anyhow::Result<Vec<Vec<f32>>> {
-    let ts: Vec<&Tensor> = match h {
-        ExitHead::Mlp {
-            weight_t,
-            bias,
-            w1_t,
-            b1,
-            w2_t,
-        } => vec![weight_t, bias, w1_t, b1, w2_t],
-        ExitHead::Affine { weight_t, bias } => vec![weight_t, bias],
-        ExitHead::Identity => Vec::new(),
-    };
-    Ok(ts
+    Ok(h.tensors()
         .iter()
         .map(|t| t.flatten_all()?.to_vec1::<f32>())
         .collect::<candle_core::Result<_>>()?)

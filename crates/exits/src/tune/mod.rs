@@ -82,6 +82,9 @@ pub struct Trainable {
     mlp: Option<(Var, Var, Var)>,
 }
 
+/// Checkpoint names of the parameters, in [`Trainable::vars`] order.
+const PARAM_NAMES: [&str; 5] = ["a_t", "b", "w1_t", "b1", "w2_t"];
+
 /// Learning rate of AdamW for the heads.
 pub const DEFAULT_LR: f64 = 1e-4;
 /// Hidden width of an MLP head, as a multiple of `d_model`.
@@ -169,8 +172,7 @@ impl Trainable {
 
     /// Named copies of the parameters, for a checkpoint.
     pub fn tensors(&self) -> Result<Vec<(String, Tensor)>> {
-        let names = ["a_t", "b", "w1_t", "b1", "w2_t"];
-        names
+        PARAM_NAMES
             .iter()
             .zip(self.vars())
             .map(|(n, v)| Ok((n.to_string(), v.as_tensor().copy()?)))
@@ -179,8 +181,7 @@ impl Trainable {
 
     /// Restores tensors written by [`Trainable::tensors`].
     pub fn restore(&self, tensors: &std::collections::HashMap<String, Tensor>) -> Result<()> {
-        let names = ["a_t", "b", "w1_t", "b1", "w2_t"];
-        for (n, v) in names.iter().zip(self.vars()) {
+        for (n, v) in PARAM_NAMES.iter().zip(self.vars()) {
             let t = tensors.get(*n).ok_or_else(|| {
                 crate::ExitsError::Invalid(format!("checkpoint has no tensor {n}"))
             })?;
