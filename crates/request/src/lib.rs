@@ -6,6 +6,9 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod mode;
+pub use mode::{Mode, Precision, UnknownMode};
+
 /// Most stop strings one request may carry (OpenAI allows 4; a generous cap still bounds the
 /// per-token matching cost).
 pub const MAX_STOP_STRINGS: usize = 16;

@@ -1,0 +1,1 @@
+//! The ModeSwitch router (in progress).
