@@ -7,6 +7,7 @@
 pub mod engine;
 pub mod kernels;
 pub mod offline;
+pub mod quality;
 pub mod serve;
 pub mod sharegpt;
 pub mod stats;

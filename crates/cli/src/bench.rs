@@ -28,6 +28,11 @@ pub enum BenchCommand {
     /// baseline (per-token exit, batch 1) and by the HELIOS orchestrator: throughput, latency
     /// percentiles, exit shares, batch, memory, bits per byte, decisions.
     Helios(crate::bench_helios::BenchHeliosArgs),
+    /// The mode × workload matrix of one model: every inference mode (precisions,
+    /// speculative, self-speculative, prefix cache, chunked prefill, continuous batching,
+    /// compressed K/V, hybrids) on SS/SL/LS/LL, shared-prefix, memory-pressure and batch
+    /// workloads: latency, throughput, energy, peak memory, quality.
+    Modes(crate::bench_modes::BenchModesArgs),
 }
 
 #[derive(Args)]
@@ -56,6 +61,7 @@ pub fn run(cmd: BenchCommand, threads: usize) -> anyhow::Result<()> {
         BenchCommand::Offline(a) => crate::offline::run(a, threads),
         BenchCommand::Serve(a) => crate::bench_serve::run(a),
         BenchCommand::Helios(a) => crate::bench_helios::run(a, threads),
+        BenchCommand::Modes(a) => crate::bench_modes::run(a, threads),
     }
 }
 

@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_helios;
+mod bench_modes;
 mod bench_serve;
 mod ee_tune;
 mod eval;

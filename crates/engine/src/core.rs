@@ -21,7 +21,9 @@ use switchyard_models::{ForwardBatch, LayeredModel, SeqChunk, SeqKv};
 use switchyard_request::{FinishReason, SamplingParams};
 
 use crate::exit::{ExitHead, LogitLens};
-use crate::kv::{activation_bytes, BlockPool, MemoryBudget, RerunKv, Usage, BLOCK_TOKENS};
+use crate::kv::{
+    activation_bytes, BlockLayout, BlockPool, KvFormat, MemoryBudget, RerunKv, Usage, BLOCK_TOKENS,
+};
 use crate::residency::{LayerLoadJob, LayerLoadTime, LoadReport, LoadedLayer};
 use crate::sampler::Sampler;
 use crate::scheduler::{
@@ -42,6 +44,11 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Positions per KV block.
     pub block_tokens: usize,
+    /// How KV blocks store K and V: f32 (the default; results bit for bit those of a dense
+    /// cache) or 8-bit with per-position scales (the `kv-compressed` mode: ~3.8x the
+    /// positions in the same memory, attention within a stated tolerance; see
+    /// [`crate::kv::format`]).
+    pub kv_format: KvFormat,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +57,7 @@ impl Default for EngineConfig {
             memory_budget: DEFAULT_MEMORY_BUDGET,
             scheduler: SchedulerConfig::default(),
             block_tokens: BLOCK_TOKENS,
+            kv_format: KvFormat::F32,
         }
     }
 }
@@ -114,6 +122,7 @@ pub struct EngineStats {
     pub memory: MemoryStats,
     pub block_tokens: usize,
     pub block_bytes: u64,
+    pub kv_format: KvFormat,
     pub kv_blocks_total: usize,
     pub kv_blocks_used: usize,
     pub kv_blocks_free: usize,
@@ -212,11 +221,12 @@ impl EngineCore {
         }
         let step_tokens = cfg.scheduler.max_step_tokens(spec.context_length);
         let workspace = activation_bytes(spec, step_tokens, cfg.scheduler.max_num_seqs) as u64;
-        let block_bytes = (2 * cfg.block_tokens * spec.kv_row_len() * 4) as u64;
+        let layout = BlockLayout::for_spec(spec, cfg.block_tokens, cfg.kv_format);
+        let block_bytes = layout.block_bytes() as u64;
         let budget = MemoryBudget::new(cfg.memory_budget);
         let weights = model.resident_bytes().total() as u64 + exit.resident_bytes() as u64;
         let plan = budget.plan(weights, workspace, block_bytes)?;
-        let pool = BlockPool::new(spec.kv_row_len(), cfg.block_tokens, plan.kv_blocks);
+        let pool = BlockPool::with_layout(layout, plan.kv_blocks);
         let scheduler = Scheduler::new(
             cfg.scheduler,
             pool,
@@ -229,6 +239,7 @@ impl EngineCore {
             weights,
             workspace,
             kv_blocks = plan.kv_blocks,
+            kv_format = %cfg.kv_format,
             depth,
             "engine memory plan"
         );
@@ -722,6 +733,7 @@ impl EngineCore {
             },
             block_tokens: pool.block_tokens(),
             block_bytes: self.block_bytes,
+            kv_format: pool.format(),
             kv_blocks_total: pool.total_blocks(),
             kv_blocks_used: pool.used_blocks(),
             kv_blocks_free: pool.free_blocks(),

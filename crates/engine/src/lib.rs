@@ -35,6 +35,7 @@ pub use crate::core::{
 pub use exit::{ExitHead, LogitLens};
 pub use generate::{generate, Generation, GenerationTiming};
 pub use handle::{EngineHandle, EngineInfo, Pending, RequestStream};
+pub use kv::KvFormat;
 pub use output::{Completion, OutputProcessor, RequestOutput};
 pub use residency::{LayerLoadTime, LoadReport};
 pub use sampler::{Sampled, Sampler};

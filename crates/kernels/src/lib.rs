@@ -8,6 +8,7 @@
 
 pub mod cpu;
 pub mod quant;
+pub mod tap;
 
 use std::sync::Arc;
 
@@ -44,6 +45,8 @@ pub struct QLinear {
     in_features: usize,
     resident_bytes: usize,
     span: tracing::Span,
+    /// The weight's canonical name, when the loader gave one (for [`tap`]).
+    name: Option<Arc<str>>,
 }
 
 impl QLinear {
@@ -123,12 +126,30 @@ impl QLinear {
             in_features,
             resident_bytes,
             span,
+            name: None,
         })
+    }
+
+    /// Names the layer (its weight's canonical name), so a [`tap`] can observe its input.
+    pub fn named(mut self, name: &str) -> Self {
+        self.name = Some(Arc::from(name));
+        self
+    }
+
+    pub fn name(&self) -> Option<&str> {
+        self.name.as_deref()
+    }
+
+    fn observe(&self, x: &Tensor) {
+        if let Some(name) = &self.name {
+            tap::observe(name, x);
+        }
     }
 
     /// `x`: `[.., in_features]` f32. Returns `[.., out_features]` f32.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _enter = self.span.enter();
+        self.observe(x);
         let y = match &self.kernel {
             Kernel::Packed(p) => {
                 let mut dims = x.dims().to_vec();
@@ -171,7 +192,7 @@ impl QLinear {
                 Kernel::Candle(_) => None,
             })
             .collect();
-        let Some(ws) = packed.filter(|ws| ws.len() > 1) else {
+        let Some(ws) = packed.filter(|ws| ws.len() > 1 && !tap::active()) else {
             return layers.iter().map(|l| l.forward(x)).collect();
         };
         let mut dims = x.dims().to_vec();

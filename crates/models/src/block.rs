@@ -1,6 +1,7 @@
 //! The pieces transformer blocks are built from (norm, self-attention, gated MLP) and the
 //! [`Block`] trait each architecture implements.
 
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use switchyard_kernels::QLinear;
 use switchyard_weights::{names, Activation, RopeStyle, WeightSource};
@@ -74,6 +75,32 @@ pub enum WeightFormat {
     F32,
     /// Dequantized to dense f16.
     F16,
+    /// Re-quantized from the file's values to another block type (the precision modes).
+    Quantized(QuantTarget),
+}
+
+/// The block type of a re-quantized weight matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantTarget {
+    /// Q8_0 everywhere.
+    Q8_0,
+    /// 4-bit: Q4_K where the row length is a multiple of 256, else Q4_0. The LM head is held
+    /// at Q8_0, as llama.cpp's 4-bit presets keep the output matrix at higher precision
+    /// (it decides the token, and 4-bit rows of a large vocabulary cost the most quality).
+    Q4,
+}
+
+impl QuantTarget {
+    /// The ggml type a `[rows, row_len]` matrix gets; `head` for the LM head.
+    pub fn dtype_for(self, row_len: usize, head: bool) -> GgmlDType {
+        match self {
+            QuantTarget::Q4 if !head && row_len.is_multiple_of(GgmlDType::Q4K.block_size()) => {
+                GgmlDType::Q4K
+            }
+            QuantTarget::Q4 if !head => GgmlDType::Q4_0,
+            _ => GgmlDType::Q8_0,
+        }
+    }
 }
 
 /// Loads tensors of one source onto one device in one format.
@@ -87,16 +114,36 @@ pub struct TensorLoader<'a> {
 impl TensorLoader<'_> {
     /// Loads `name` (and `bias`, when the file has it) as a linear layer.
     pub fn linear(&self, name: &str, bias: Option<&str>) -> Result<QLinear> {
+        self.linear_as(name, bias, false)
+    }
+
+    /// Loads `name` as the LM head (which a 4-bit format keeps at 8 bits).
+    pub fn head(&self, name: &str) -> Result<QLinear> {
+        self.linear_as(name, None, true)
+    }
+
+    fn linear_as(&self, name: &str, bias: Option<&str>, head: bool) -> Result<QLinear> {
         let w = self.src.load(name, self.device)?;
         let b = match bias {
             Some(b) if self.src.tensor_meta(b).is_some() => Some(self.vector(b)?),
             _ => None,
         };
-        Ok(match self.format {
+        let linear = match self.format {
             WeightFormat::AsStored => QLinear::new(w, b)?,
             WeightFormat::F32 => QLinear::dense(&w, DType::F32, b)?,
             WeightFormat::F16 => QLinear::dense(&w, DType::F16, b)?,
-        })
+            WeightFormat::Quantized(target) => {
+                let (_, row_len) = w.shape().dims2()?;
+                let dtype = target.dtype_for(row_len, head);
+                let q = if w.dtype() == dtype {
+                    w
+                } else {
+                    QTensor::quantize(&w.dequantize(self.device)?, dtype)?
+                };
+                QLinear::new(q, b)?
+            }
+        };
+        Ok(linear.named(name))
     }
 
     /// A 1-D tensor (norm weight, bias) as f32.

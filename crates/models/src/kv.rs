@@ -1,17 +1,104 @@
 //! The key/value cache seen by the model: per sequence, per layer, rows of `n_kv_heads * head_dim`
-//! f32 values, one row per position, exposed as a list of contiguous chunks.
+//! values, one row per position, exposed as a list of contiguous chunks.
 //!
 //! Chunks are how one attention kernel serves both a dense per-sequence cache (one chunk) and a
-//! paged cache (one chunk per block) without copying the cache into a contiguous buffer.
+//! paged cache (one chunk per block) without copying the cache into a contiguous buffer. A
+//! chunk's rows are f32, or 8-bit with one f32 scale per (position, key/value head)
+//! ([`Int8Rows`], written by [`quantize_kv_int8`]); attention reads either directly.
 
 use crate::{ModelError, Result};
 
-/// A run of consecutive positions: `k` and `v` are `tokens * row` values each.
+/// Largest magnitude of an 8-bit K/V value. Symmetric: -128 is never written, so a value and
+/// its negation quantize alike.
+pub const KV_INT8_MAX: i8 = 127;
+
+/// A run of consecutive positions: `tokens` rows of K and of V, either f32 (`k`, `v`) or 8-bit
+/// (`int8`).
 #[derive(Debug, Clone, Copy)]
 pub struct KvChunk<'a> {
+    /// f32 K rows, `tokens * row` values; empty in an 8-bit chunk.
     pub k: &'a [f32],
+    /// f32 V rows, like `k`.
     pub v: &'a [f32],
     pub tokens: usize,
+    /// The rows of an 8-bit chunk; `None` in an f32 chunk.
+    pub int8: Option<Int8Rows<'a>>,
+}
+
+impl<'a> KvChunk<'a> {
+    /// An f32 chunk of `tokens` rows.
+    pub fn f32(k: &'a [f32], v: &'a [f32], tokens: usize) -> Self {
+        Self {
+            k,
+            v,
+            tokens,
+            int8: None,
+        }
+    }
+
+    /// An 8-bit chunk of `tokens` rows.
+    pub fn int8(rows: Int8Rows<'a>, tokens: usize) -> Self {
+        Self {
+            k: &[],
+            v: &[],
+            tokens,
+            int8: Some(rows),
+        }
+    }
+}
+
+/// K and V rows stored as i8 with one f32 scale per (position, key/value head): value `i` of
+/// head `h` at position `t` is `k[t * row + h * head_dim + i] as f32 * k_scales[t * n_kv_heads
+/// + h]` (the same for V), where `row = n_kv_heads * head_dim`.
+///
+/// A scale belongs to one position, not to a block: a block is filled position by position
+/// while decoding, and a block-wide scale that grew with a new position would requantize the
+/// ones already stored. Per position, what a row holds depends only on that row, so chunked
+/// prefill, batching and recomputation store the same bytes (batch invariance holds in 8-bit
+/// as in f32).
+#[derive(Debug, Clone, Copy)]
+pub struct Int8Rows<'a> {
+    /// `tokens * row` values.
+    pub k: &'a [i8],
+    pub v: &'a [i8],
+    /// `tokens * n_kv_heads` scales.
+    pub k_scales: &'a [f32],
+    pub v_scales: &'a [f32],
+}
+
+/// Quantizes rows of `head_dim`-value groups: for each group of `src`, `scale = max|x| / 127`
+/// into `scales` and `round(x / scale)` into `q` (`q.len() == src.len()`, `scales.len() ==
+/// src.len() / head_dim`). Dequantized, `q * scale` is within `scale / 2` of `x` (up to the
+/// f32 rounding of `x / scale`); an all-zero group gets scale 0. Non-finite inputs are not
+/// representable: a group holding one gets a non-finite scale.
+///
+/// # Panics
+/// When the lengths do not match (a caller bug: the cache sizes both from the same row).
+pub fn quantize_kv_int8(src: &[f32], head_dim: usize, q: &mut [i8], scales: &mut [f32]) {
+    assert!(
+        head_dim > 0 && q.len() == src.len() && scales.len() * head_dim == src.len(),
+        "quantize {} values in groups of {head_dim} into {} values and {} scales",
+        src.len(),
+        q.len(),
+        scales.len()
+    );
+    let max = f32::from(KV_INT8_MAX);
+    for ((x, q), scale) in src
+        .chunks_exact(head_dim)
+        .zip(q.chunks_exact_mut(head_dim))
+        .zip(scales.iter_mut())
+    {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        *scale = amax / max;
+        if amax == 0.0 {
+            q.fill(0);
+            continue;
+        }
+        for (q, &x) in q.iter_mut().zip(x) {
+            // `as` saturates; the clamp keeps -128 out should rounding reach past 127.
+            *q = (x / *scale).round().clamp(-max, max) as i8;
+        }
+    }
 }
 
 /// One sequence's cache, as the model reads and writes it.
@@ -26,7 +113,7 @@ pub trait SeqKv: Send + Sync {
     fn len(&self, layer: usize) -> usize;
 }
 
-/// A contiguous, growable cache for one sequence: the simplest [`SeqKv`].
+/// A contiguous, growable f32 cache for one sequence: the simplest [`SeqKv`].
 #[derive(Debug, Clone)]
 pub struct DenseKv {
     row: usize,
@@ -95,11 +182,7 @@ impl SeqKv for DenseKv {
             return Err(ModelError::KvMissing { layer, len, stored });
         }
         let n = len * self.row;
-        Ok(vec![KvChunk {
-            k: &ks[..n],
-            v: &vs[..n],
-            tokens: len,
-        }])
+        Ok(vec![KvChunk::f32(&ks[..n], &vs[..n], len)])
     }
 
     fn len(&self, layer: usize) -> usize {
@@ -127,5 +210,66 @@ mod tests {
         assert!(kv.write(0, 1, &[1.0, 1.0], &[1.0, 1.0]).is_err());
         assert!(kv.chunks(1, 4).is_err());
         assert_eq!(kv.bytes(), 2 * 6 * 4);
+    }
+
+    /// Every value comes back within half a step of its group's scale (plus the f32 rounding
+    /// of `x / scale`, at most 127 ulp of a step), over groups of very different magnitude.
+    #[test]
+    fn int8_round_trip_is_within_half_a_step() {
+        const HD: usize = 64;
+        // Slack for the f32 division inside the quantizer: |x / scale| <= 127, so its
+        // rounding moves the quotient by at most 127 * 2^-24 of a step.
+        const DIVISION_SLACK: f64 = 127.0 / (1u64 << 24) as f64;
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let mut src = Vec::new();
+        for magnitude in [1e-3f64, 0.5, 1.0, 7.0, 300.0] {
+            for _ in 0..HD * 4 {
+                src.push(((next() * 2.0 - 1.0) * magnitude) as f32);
+            }
+        }
+        // An all-zero group and one with a single outlier.
+        src.extend([0.0f32; HD]);
+        src.extend((0..HD).map(|i| if i == 5 { -40.0 } else { 0.01 * i as f32 }));
+        let mut q = vec![0i8; src.len()];
+        let mut scales = vec![0f32; src.len() / HD];
+        quantize_kv_int8(&src, HD, &mut q, &mut scales);
+        let mut worst = 0f64;
+        for (g, (x, q)) in src.chunks(HD).zip(q.chunks(HD)).enumerate() {
+            let s = f64::from(scales[g]);
+            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert_eq!(scales[g], amax / 127.0, "group {g}");
+            assert_eq!(
+                q.iter().map(|v| v.unsigned_abs()).max(),
+                Some(if amax > 0.0 { 127 } else { 0 })
+            );
+            assert!(q.iter().all(|&v| v != i8::MIN));
+            for (&x, &q) in x.iter().zip(q) {
+                let err = (f64::from(x) - f64::from(q) * s).abs();
+                assert!(
+                    err <= s * (0.5 + DIVISION_SLACK),
+                    "group {g}: {x} -> {q} x {s}"
+                );
+                if s > 0.0 {
+                    worst = worst.max(err / s);
+                }
+            }
+        }
+        assert!(
+            worst > 0.45,
+            "rounding really happened: worst {worst} of a step"
+        );
+        // -x quantizes to -q.
+        let neg: Vec<f32> = src.iter().map(|x| -x).collect();
+        let mut qn = vec![0i8; src.len()];
+        let mut sn = vec![0f32; scales.len()];
+        quantize_kv_int8(&neg, HD, &mut qn, &mut sn);
+        assert_eq!(sn, scales);
+        assert!(q.iter().zip(&qn).all(|(a, b)| *a == -*b));
     }
 }

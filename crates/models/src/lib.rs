@@ -15,7 +15,7 @@ pub mod llama;
 pub mod model;
 pub mod rope;
 
-pub use block::{TensorLoader, WeightFormat};
+pub use block::{QuantTarget, TensorLoader, WeightFormat};
 pub use config::ArchConfig;
 pub use kv::{DenseKv, KvChunk, SeqKv};
 pub use model::{ForwardBatch, LayeredModel, LoadOptions, ResidentBytes, SeqChunk};

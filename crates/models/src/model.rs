@@ -150,8 +150,8 @@ impl LayeredModel {
         let head_is_embedding = spec.tied_embeddings && opts.format == WeightFormat::AsStored;
         let head = match (spec.tied_embeddings, head_is_embedding) {
             (_, true) => embedding.clone(),
-            (true, false) => ld.linear(names::TOKEN_EMBD, None)?,
-            (false, _) => ld.linear(names::OUTPUT, None)?,
+            (true, false) => ld.head(names::TOKEN_EMBD)?,
+            (false, _) => ld.head(names::OUTPUT)?,
         };
         let final_norm = ld.norm(names::OUTPUT_NORM)?;
         let n = opts.layers.unwrap_or(spec.n_layers).min(spec.n_layers);
@@ -251,6 +251,10 @@ impl LayeredModel {
                 WeightFormat::F32 => m.shape.iter().product::<usize>() * 4,
                 WeightFormat::F16 if m.shape.len() == 2 => m.shape.iter().product::<usize>() * 2,
                 WeightFormat::F16 => m.shape.iter().product::<usize>() * 4,
+                WeightFormat::Quantized(t) => match m.shape[..] {
+                    [_, k] => QLinear::planned_bytes(t.dtype_for(k, false), &m.shape),
+                    _ => QLinear::planned_bytes(m.dtype, &m.shape),
+                },
             })
             .sum()
     }

@@ -8,8 +8,11 @@
 //!   layers through an exit head (LayerSkip), sharing their K/V with the verifier.
 
 pub mod awq;
+pub mod bench;
 pub mod precision;
+pub mod router_bench;
 pub mod self_speculative;
+pub mod serve;
 pub mod speculative;
 
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +25,14 @@ pub enum ModesError {
     Exits(#[from] switchyard_exits::ExitsError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Weights(#[from] switchyard_weights::WeightsError),
+    #[error(transparent)]
+    Tokenizer(#[from] switchyard_tokenizer::TokenizerError),
+    #[error(transparent)]
+    Zoo(#[from] switchyard_zoo::ZooError),
+    #[error(transparent)]
+    Bench(#[from] switchyard_bench::BenchError),
     #[error("{0}")]
     Invalid(String),
 }

@@ -3,11 +3,13 @@
 //!
 //! On CPU the budget models an accelerator's memory: the engine must fit weights + KV pool +
 //! the temporaries of one step inside it, so batch sizes and footprints are real accounting.
-//! The KV pool counts whole (used and free): it is allocated up front.
+//! The KV pool counts whole (used and free): it is allocated up front. A block counts what its
+//! format stores ([`BlockLayout::block_bytes`]), so 8-bit blocks leave room for ~3.8x as many.
 
 use switchyard_models::LayeredModel;
 use switchyard_weights::ModelSpec;
 
+use super::format::BlockLayout;
 use super::pool::BlockPool;
 use super::KvError;
 
@@ -148,21 +150,20 @@ impl MemoryBudget {
         })
     }
 
-    /// [`MemoryBudget::plan`] for `model` as loaded now (its resident weights), blocks of
-    /// `block_tokens` positions, and a workspace of [`activation_bytes`].
+    /// [`MemoryBudget::plan`] for `model` as loaded now (its resident weights), blocks laid
+    /// out as `blocks` (their format decides their bytes, see [`BlockLayout`]), and a
+    /// workspace of [`activation_bytes`].
     pub fn plan_for_model(
         &self,
         model: &LayeredModel,
-        block_tokens: usize,
+        blocks: BlockLayout,
         max_batched_tokens: usize,
         logits_rows: usize,
     ) -> Result<BudgetPlan, KvError> {
-        let spec = model.spec();
-        let block_bytes = 2 * block_tokens * spec.kv_row_len() * F32;
         self.plan(
             model.resident_bytes().total() as u64,
-            activation_bytes(spec, max_batched_tokens, logits_rows) as u64,
-            block_bytes as u64,
+            activation_bytes(model.spec(), max_batched_tokens, logits_rows) as u64,
+            blocks.block_bytes() as u64,
         )
     }
 

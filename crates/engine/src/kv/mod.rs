@@ -4,7 +4,8 @@
 //!
 //! * [`BlockPool`] owns every KV block's memory, allocated up front (vLLM's block pool). A
 //!   [`Block`] is an owned buffer that moves out of the pool into one sequence's table and back;
-//!   nothing on the hot path allocates.
+//!   nothing on the hot path allocates. Blocks hold f32 or 8-bit values ([`KvFormat`], laid
+//!   out as [`BlockLayout`] says); nothing else in the cache depends on which.
 //! * [`PagedKv`] is one sequence's cache: a block table per layer, implementing the model's
 //!   [`switchyard_models::SeqKv`]. Blocks exist only for the layers the sequence runs.
 //! * [`PrefixCache`] keeps full blocks keyed by a hash chain of their tokens (vLLM's automatic
@@ -17,14 +18,16 @@
 //! from `allocate` until it comes back through `release`, so `used + free == total` always.
 
 pub mod budget;
+pub mod format;
 pub mod paged;
 pub mod pool;
 pub mod prefix;
 pub mod rerun;
 
 pub use budget::{activation_bytes, parse_bytes, BudgetPlan, MemoryBudget, Usage};
+pub use format::{BlockLayout, KvFormat};
 pub use paged::{BlockRef, PagedKv, Sharing};
-pub use pool::{Block, BlockId, BlockPool, BLOCK_TOKENS};
+pub use pool::{Block, BlockData, BlockId, BlockPool, Int8Block, BLOCK_TOKENS};
 pub use prefix::{BlockHash, PrefixCache};
 pub use rerun::RerunKv;
 
@@ -64,12 +67,14 @@ pub enum KvError {
         end: usize,
         n_layers: usize,
     },
-    #[error("sequence blocks hold {block_tokens} positions of {row} values, the pool's (or prefix cache's) {pool_block_tokens} of {pool_row}")]
+    #[error("sequence blocks hold {block_tokens} positions of {row} {format} values, the pool's (or prefix cache's) {pool_block_tokens} of {pool_row} {pool_format}")]
     LayoutMismatch {
         row: usize,
         block_tokens: usize,
+        format: KvFormat,
         pool_row: usize,
         pool_block_tokens: usize,
+        pool_format: KvFormat,
     },
     #[error(
         "layer {layer} already holds {blocks} blocks; prefix blocks attach only to an empty table"

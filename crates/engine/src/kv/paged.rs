@@ -4,14 +4,18 @@
 //! Memory is taken from the [`BlockPool`] only in [`PagedKv::reserve`], all or nothing, before
 //! the step that writes it; [`SeqKv::write`] into positions that were not reserved is an error.
 //! A layer's table starts with the blocks shared through the prefix cache (read-only, behind an
-//! `Arc`) and continues with blocks the sequence owns.
+//! `Arc`) and continues with blocks the sequence owns. In 8-bit blocks a write quantizes each
+//! row on the way in (one scale per position and key/value head, so a row's bytes depend on
+//! that row alone) and reads hand attention the 8-bit rows as they are.
 
 use std::ops::Range;
 use std::sync::Arc;
 
+use switchyard_models::kv::{quantize_kv_int8, Int8Rows};
 use switchyard_models::{KvChunk, SeqKv};
 
-use super::pool::{Block, BlockId, BlockPool};
+use super::format::BlockLayout;
+use super::pool::{Block, BlockData, BlockId, BlockPool};
 use super::prefix::{BlockHash, PrefixCache};
 use super::KvError;
 
@@ -67,16 +71,14 @@ pub struct BlockRef {
 
 /// One sequence's paged KV cache.
 pub struct PagedKv {
-    row: usize,
-    block_tokens: usize,
+    layout: BlockLayout,
     tables: Vec<Table>,
 }
 
 impl std::fmt::Debug for PagedKv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PagedKv")
-            .field("row", &self.row)
-            .field("block_tokens", &self.block_tokens)
+            .field("layout", &self.layout)
             .field(
                 "lens",
                 &self.tables.iter().map(|t| t.len).collect::<Vec<_>>(),
@@ -88,50 +90,58 @@ impl std::fmt::Debug for PagedKv {
 }
 
 impl PagedKv {
-    /// An empty cache for a model of `n_layers` layers; no blocks are taken until
+    /// An empty f32 cache for a model of `n_layers` layers; no blocks are taken until
     /// [`PagedKv::reserve`].
     pub fn new(n_layers: usize, row: usize, block_tokens: usize) -> Self {
+        Self::with_layout(n_layers, BlockLayout::f32(row, block_tokens))
+    }
+
+    /// An empty cache of blocks laid out as `layout`.
+    pub fn with_layout(n_layers: usize, layout: BlockLayout) -> Self {
         Self {
-            row,
-            block_tokens,
+            layout,
             tables: (0..n_layers).map(|_| Table::default()).collect(),
         }
     }
 
     /// An empty cache laid out like `pool`'s blocks.
     pub fn for_pool(pool: &BlockPool, n_layers: usize) -> Self {
-        Self::new(n_layers, pool.row(), pool.block_tokens())
+        Self::with_layout(n_layers, pool.layout())
     }
 
     pub fn n_layers(&self) -> usize {
         self.tables.len()
     }
 
+    pub fn layout(&self) -> BlockLayout {
+        self.layout
+    }
+
     pub fn row(&self) -> usize {
-        self.row
+        self.layout.row
     }
 
     pub fn block_tokens(&self) -> usize {
-        self.block_tokens
+        self.layout.block_tokens
     }
 
     /// Positions of `layer` that blocks are reserved for (0 for a layer with no blocks).
     pub fn capacity(&self, layer: usize) -> usize {
         self.tables
             .get(layer)
-            .map_or(0, |t| t.slots.len() * self.block_tokens)
+            .map_or(0, |t| t.slots.len() * self.layout.block_tokens)
     }
 
     /// Leading positions of `layer` held in blocks shared through the prefix cache.
     pub fn shared_len(&self, layer: usize) -> usize {
         self.tables
             .get(layer)
-            .map_or(0, |t| t.shared * self.block_tokens)
+            .map_or(0, |t| t.shared * self.layout.block_tokens)
     }
 
     /// Blocks [`PagedKv::reserve`] would take from the pool for `layers` and `len`.
     pub fn blocks_needed(&self, layers: Range<usize>, len: usize) -> usize {
-        let per_layer = len.div_ceil(self.block_tokens);
+        let per_layer = len.div_ceil(self.layout.block_tokens);
         layers
             .map(|l| {
                 let have = self.tables.get(l).map_or(0, |t| t.slots.len());
@@ -149,12 +159,14 @@ impl PagedKv {
         len: usize,
     ) -> Result<(), KvError> {
         self.check_layers(&layers)?;
-        if pool.row() != self.row || pool.block_tokens() != self.block_tokens {
+        if pool.layout() != self.layout {
             return Err(KvError::LayoutMismatch {
-                row: self.row,
-                block_tokens: self.block_tokens,
+                row: self.layout.row,
+                block_tokens: self.layout.block_tokens,
+                format: self.layout.format,
                 pool_row: pool.row(),
                 pool_block_tokens: pool.block_tokens(),
+                pool_format: pool.format(),
             });
         }
         let needed = self.blocks_needed(layers.clone(), len);
@@ -166,7 +178,7 @@ impl PagedKv {
         if needed > free {
             return Err(KvError::OutOfBlocks { needed, free });
         }
-        let per_layer = len.div_ceil(self.block_tokens);
+        let per_layer = len.div_ceil(self.layout.block_tokens);
         for l in layers {
             let t = &mut self.tables[l];
             while t.slots.len() < per_layer {
@@ -263,7 +275,13 @@ impl PagedKv {
         k: &[f32],
         v: &[f32],
     ) -> Result<(), KvError> {
-        let (row, bt) = (self.row, self.block_tokens);
+        let BlockLayout {
+            row,
+            head_dim,
+            block_tokens: bt,
+            ..
+        } = self.layout;
+        let heads = self.layout.heads();
         let n_layers = self.tables.len();
         let t = self
             .tables
@@ -308,12 +326,27 @@ impl PagedKv {
                     position: pos,
                 });
             };
-            let data = block.data_mut();
             let src = (pos - start) * row..(pos - start + take) * row;
             let dst = off * row..(off + take) * row;
-            data[dst.clone()].copy_from_slice(&k[src.clone()]);
             let vdst = bt * row + dst.start..bt * row + dst.end;
-            data[vdst].copy_from_slice(&v[src]);
+            match block.data_mut() {
+                BlockData::F32(data) => {
+                    data[dst].copy_from_slice(&k[src.clone()]);
+                    data[vdst].copy_from_slice(&v[src]);
+                }
+                BlockData::Int8(b) => {
+                    let sdst = off * heads..(off + take) * heads;
+                    let vsdst = bt * heads + sdst.start..bt * heads + sdst.end;
+                    let (values, scales) = (&mut b.values, &mut b.scales);
+                    quantize_kv_int8(
+                        &k[src.clone()],
+                        head_dim,
+                        &mut values[dst],
+                        &mut scales[sdst],
+                    );
+                    quantize_kv_int8(&v[src], head_dim, &mut values[vdst], &mut scales[vsdst]);
+                }
+            }
             pos += take;
         }
         t.len = t.len.max(end);
@@ -322,7 +355,11 @@ impl PagedKv {
 
     /// [`SeqKv::chunks`] with the cache's own error: one chunk per block, the last one partial.
     pub fn chunk_list(&self, layer: usize, len: usize) -> Result<Vec<KvChunk<'_>>, KvError> {
-        let (row, bt) = (self.row, self.block_tokens);
+        let (row, bt, heads) = (
+            self.layout.row,
+            self.layout.block_tokens,
+            self.layout.heads(),
+        );
         let t = self.tables.get(layer).ok_or(KvError::NoSuchLayer {
             layer,
             n_layers: self.tables.len(),
@@ -337,12 +374,22 @@ impl PagedKv {
         let n_blocks = len.div_ceil(bt);
         let mut out = Vec::with_capacity(n_blocks);
         for (b, slot) in t.slots[..n_blocks].iter().enumerate() {
-            let data = slot.block().map(Block::data).unwrap_or_default();
             let tokens = bt.min(len - b * bt);
-            out.push(KvChunk {
-                k: &data[..tokens * row],
-                v: &data[bt * row..(bt + tokens) * row],
-                tokens,
+            let (k, v) = (0..tokens * row, bt * row..(bt + tokens) * row);
+            out.push(match slot.block().map(Block::data) {
+                Some(BlockData::F32(data)) => KvChunk::f32(&data[k], &data[v], tokens),
+                Some(BlockData::Int8(d)) => KvChunk::int8(
+                    Int8Rows {
+                        k: &d.values[k],
+                        v: &d.values[v],
+                        k_scales: &d.scales[..tokens * heads],
+                        v_scales: &d.scales[bt * heads..(bt + tokens) * heads],
+                    },
+                    tokens,
+                ),
+                // Never seen outside a call that moves a block; attention refuses an empty
+                // chunk rather than reading it.
+                None => KvChunk::f32(&[], &[], tokens),
             });
         }
         Ok(out)
@@ -629,6 +676,110 @@ mod tests {
             kv.reserve(&mut pool, 0..1, 1),
             Err(KvError::LayoutMismatch { .. })
         ));
+        assert_eq!(pool.free_blocks(), 2);
+    }
+
+    /// 8-bit blocks: every row is quantized on its own (so a row's bytes do not depend on
+    /// how the writes were split), reads give the 8-bit rows block by block, and dequantized
+    /// they are within half a step of what was written.
+    #[test]
+    fn int8_blocks_quantize_each_row_alone() {
+        use crate::kv::KvFormat;
+        use switchyard_models::kv::Int8Rows;
+        const HD: usize = 4;
+        const HEADS: usize = 2;
+        let layout = BlockLayout::new(HD * HEADS, HD, BLOCK_TOKENS, KvFormat::Int8);
+        let mut pool = BlockPool::with_layout(layout, 8);
+        let mut cache = PrefixCache::new(BLOCK_TOKENS);
+        let mut kv = PagedKv::for_pool(&pool, 2);
+        assert_eq!(kv.layout(), layout);
+        kv.reserve(&mut pool, 0..2, 45).expect("reserve");
+        // Values of very different size per head and position.
+        let k: Vec<f32> = (0..45 * HD * HEADS)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * (1.0 + (i / HD % 7) as f32 * 3.0))
+            .collect();
+        let v: Vec<f32> = k.iter().map(|x| -0.01 * x).collect();
+        kv.write(1, 0, &k, &v).expect("write");
+        for r in [0..1, 1..17, 17..40, 40..45] {
+            let span = r.start * HD * HEADS..r.end * HD * HEADS;
+            kv.write(0, r.start, &k[span.clone()], &v[span])
+                .expect("write");
+        }
+        let rows = |kv: &PagedKv, layer| -> (Vec<i8>, Vec<f32>, Vec<usize>) {
+            let chunks = kv.chunk_list(layer, 45).expect("chunks");
+            let mut q = Vec::new();
+            let mut scales = Vec::new();
+            for c in &chunks {
+                assert!(c.k.is_empty() && c.v.is_empty());
+                let Int8Rows {
+                    k,
+                    k_scales,
+                    v,
+                    v_scales,
+                    ..
+                } = c.int8.expect("8-bit chunk");
+                assert_eq!(
+                    (k.len(), v.len()),
+                    (c.tokens * HD * HEADS, c.tokens * HD * HEADS)
+                );
+                assert_eq!(
+                    (k_scales.len(), v_scales.len()),
+                    (c.tokens * HEADS, c.tokens * HEADS)
+                );
+                q.extend(k.iter().chain(v));
+                scales.extend(k_scales.iter().chain(v_scales));
+            }
+            (q, scales, chunks.iter().map(|c| c.tokens).collect())
+        };
+        let (q0, s0, tokens) = rows(&kv, 0);
+        assert_eq!(rows(&kv, 1), (q0.clone(), s0.clone(), tokens.clone()));
+        assert_eq!(tokens, vec![16, 16, 13]);
+        // Dequantize K of layer 0 and compare with what was written.
+        let chunks = kv.chunk_list(0, 45).expect("chunks");
+        let mut pos = 0;
+        for c in &chunks {
+            let r = c.int8.expect("8-bit chunk");
+            for t in 0..c.tokens {
+                for h in 0..HEADS {
+                    let scale = r.k_scales[t * HEADS + h];
+                    for i in 0..HD {
+                        let x = k[(pos + t) * HD * HEADS + h * HD + i];
+                        let y = f32::from(r.k[t * HD * HEADS + h * HD + i]) * scale;
+                        assert!(
+                            (x - y).abs() <= scale * 0.5001,
+                            "{x} vs {y} (scale {scale})"
+                        );
+                    }
+                }
+            }
+            pos += c.tokens;
+        }
+        // Overwriting a row changes that row only.
+        let span = 20 * HD * HEADS..21 * HD * HEADS;
+        let bigger: Vec<f32> = k[span.clone()].iter().map(|x| x * 10.0).collect();
+        kv.write(0, 20, &bigger, &v[span]).expect("overwrite");
+        let (q, s, _) = rows(&kv, 0);
+        let changed: Vec<usize> = (0..s.len()).filter(|&i| s[i] != s0[i]).collect();
+        // Scales are laid out per block: K then V, 16 positions x 2 heads each; position 20
+        // is the second block's 5th, its K scales at 64 + 4 * 2.
+        assert_eq!(changed, vec![64 + 8, 64 + 9]);
+        assert_eq!(q, q0, "the same integers at ten times the scale");
+        assert_eq!(pool.block_bytes(), 16 * 2 * (8 + 2 * 4));
+        kv.release(&mut pool, &mut cache);
+        assert_eq!(pool.used_blocks(), 0);
+    }
+
+    #[test]
+    fn formats_must_match() {
+        use crate::kv::KvFormat;
+        let mut pool =
+            BlockPool::with_layout(BlockLayout::new(8, 4, BLOCK_TOKENS, KvFormat::Int8), 2);
+        let mut kv = PagedKv::new(1, 8, BLOCK_TOKENS);
+        let e = kv.reserve(&mut pool, 0..1, 1).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "sequence blocks hold 16 positions of 8 f32 values, the pool's (or prefix cache's) 16 of 8 int8"
+        );
         assert_eq!(pool.free_blocks(), 2);
     }
 }

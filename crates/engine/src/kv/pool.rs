@@ -1,12 +1,15 @@
 //! [`BlockPool`]: every KV block's memory, allocated up front and handed out as owned [`Block`]s.
 //!
 //! A block holds `block_tokens` positions of one layer: all K rows, then all V rows, each row
-//! `n_kv_heads * head_dim` f32 values. The pool allocates its blocks when it is created (and in
+//! `n_kv_heads * head_dim` values, stored as the pool's [`BlockLayout`] says (f32, or i8 with
+//! per-position scales). The pool allocates its blocks when it is created (and in
 //! [`BlockPool::grow`]); `allocate` and `release` only move blocks between the free list and
 //! their owners, so serving never allocates KV memory. `grow` and `shrink` change the pool's
 //! memory when residency changes (layers loaded or dropped), never per step.
 
 use std::sync::atomic::{AtomicU32, Ordering};
+
+use super::format::{BlockLayout, KvFormat};
 
 /// Positions per block.
 pub const BLOCK_TOKENS: usize = 16; // vLLM's default block size
@@ -21,12 +24,28 @@ pub struct BlockId {
     pub index: u64,
 }
 
-/// One block's buffer: `2 * block_tokens * row` f32, K rows then V rows. Only a pool makes
-/// blocks; a block is owned by exactly one place at a time (the pool's free list, a
-/// sequence's table, or an `Arc` shared through the prefix cache).
+/// A block's memory, in its pool's format.
+pub enum BlockData {
+    /// `2 * block_tokens * row` f32: K rows `[0, block_tokens * row)`, then V rows.
+    F32(Box<[f32]>),
+    Int8(Int8Block),
+}
+
+/// An 8-bit block: values and scales, K first then V in each (see
+/// [`switchyard_models::kv::Int8Rows`] for what they mean).
+pub struct Int8Block {
+    /// `2 * block_tokens * row` i8: K rows, then V rows.
+    pub values: Box<[i8]>,
+    /// `2 * block_tokens * n_kv_heads` f32: K scales by position and head, then V scales.
+    pub scales: Box<[f32]>,
+}
+
+/// One block's memory. Only a pool makes blocks; a block is owned by exactly one place at a
+/// time (the pool's free list, a sequence's table, or an `Arc` shared through the prefix
+/// cache).
 pub struct Block {
     id: BlockId,
-    data: Box<[f32]>,
+    data: BlockData,
 }
 
 impl Block {
@@ -34,21 +53,25 @@ impl Block {
         self.id
     }
 
-    /// The whole buffer: K rows `[0, block_tokens * row)`, then V rows.
-    pub fn data(&self) -> &[f32] {
+    pub fn data(&self) -> &BlockData {
         &self.data
     }
 
-    pub fn data_mut(&mut self) -> &mut [f32] {
+    pub fn data_mut(&mut self) -> &mut BlockData {
         &mut self.data
     }
 }
 
 impl std::fmt::Debug for Block {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (format, values) = match &self.data {
+            BlockData::F32(d) => (KvFormat::F32, d.len()),
+            BlockData::Int8(b) => (KvFormat::Int8, b.values.len()),
+        };
         f.debug_struct("Block")
             .field("id", &self.id)
-            .field("values", &self.data.len())
+            .field("format", &format)
+            .field("values", &values)
             .finish()
     }
 }
@@ -57,29 +80,28 @@ impl std::fmt::Debug for Block {
 #[derive(Debug)]
 pub struct BlockPool {
     id: u32,
-    row: usize,
-    block_tokens: usize,
+    layout: BlockLayout,
     free: Vec<Block>,
     total: usize,
     next_index: u64,
 }
 
 impl BlockPool {
-    /// A pool of `n_blocks` blocks of `block_tokens` positions of `row` values, all allocated
-    /// now.
+    /// A pool of `n_blocks` f32 blocks of `block_tokens` positions of `row` values, all
+    /// allocated now.
     ///
     /// # Panics
     /// When `row` or `block_tokens` is zero (a model spec that passed validation never gives
     /// either).
     pub fn new(row: usize, block_tokens: usize, n_blocks: usize) -> Self {
-        assert!(
-            row > 0 && block_tokens > 0,
-            "a KV block needs a positive row ({row}) and block size ({block_tokens})"
-        );
+        Self::with_layout(BlockLayout::f32(row, block_tokens), n_blocks)
+    }
+
+    /// A pool of `n_blocks` blocks laid out as `layout`, all allocated now.
+    pub fn with_layout(layout: BlockLayout, n_blocks: usize) -> Self {
         let mut pool = Self {
             id: NEXT_POOL.fetch_add(1, Ordering::Relaxed),
-            row,
-            block_tokens,
+            layout,
             free: Vec::new(),
             total: 0,
             next_index: 0,
@@ -88,22 +110,30 @@ impl BlockPool {
         pool
     }
 
+    pub fn layout(&self) -> BlockLayout {
+        self.layout
+    }
+
     /// Values per position and layer (`n_kv_heads * head_dim`).
     pub fn row(&self) -> usize {
-        self.row
+        self.layout.row
     }
 
     pub fn block_tokens(&self) -> usize {
-        self.block_tokens
+        self.layout.block_tokens
     }
 
-    /// f32 values in one block.
+    pub fn format(&self) -> KvFormat {
+        self.layout.format
+    }
+
+    /// K and V values in one block, whatever their format.
     pub fn block_len(&self) -> usize {
-        2 * self.block_tokens * self.row
+        2 * self.layout.block_tokens * self.layout.row
     }
 
     pub fn block_bytes(&self) -> usize {
-        self.block_len() * std::mem::size_of::<f32>()
+        self.layout.block_bytes()
     }
 
     pub fn total_blocks(&self) -> usize {
@@ -153,14 +183,22 @@ impl BlockPool {
     pub fn grow(&mut self, n: usize) {
         let _span = tracing::debug_span!("kv_pool_grow", n, total = self.total).entered();
         let len = self.block_len();
+        let scales = 2 * self.layout.block_tokens * self.layout.heads();
         self.free.reserve(n);
         for _ in 0..n {
+            let data = match self.layout.format {
+                KvFormat::F32 => BlockData::F32(vec![0f32; len].into_boxed_slice()),
+                KvFormat::Int8 => BlockData::Int8(Int8Block {
+                    values: vec![0i8; len].into_boxed_slice(),
+                    scales: vec![0f32; scales].into_boxed_slice(),
+                }),
+            };
             self.free.push(Block {
                 id: BlockId {
                     pool: self.id,
                     index: self.next_index,
                 },
-                data: vec![0f32; len].into_boxed_slice(),
+                data,
             });
             self.next_index += 1;
         }
@@ -199,7 +237,7 @@ mod tests {
         let a = pool.allocate().expect("block");
         let b = pool.allocate().expect("block");
         assert_ne!(a.id(), b.id());
-        assert_eq!(a.data().len(), 6144);
+        assert!(matches!(a.data(), BlockData::F32(d) if d.len() == 6144));
         assert_eq!((pool.free_blocks(), pool.used_blocks()), (2, 2));
         assert_eq!(pool.bytes_used(), 2 * 24_576);
         assert_eq!(pool.bytes_free(), 2 * 24_576);
@@ -252,11 +290,33 @@ mod tests {
     fn release_keeps_block_contents_until_overwritten() {
         let mut pool = BlockPool::new(1, 2, 1);
         let mut b = pool.allocate().expect("block");
-        b.data_mut().copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
+        let BlockData::F32(d) = b.data_mut() else {
+            panic!("an f32 pool makes f32 blocks");
+        };
+        d.copy_from_slice(&[1.0, 2.0, 3.0, 4.0]);
         let id = b.id();
         pool.release(b);
         let b = pool.allocate().expect("block");
         assert_eq!(b.id(), id);
-        assert_eq!(b.data(), &[1.0, 2.0, 3.0, 4.0]);
+        assert!(matches!(b.data(), BlockData::F32(d) if **d == [1.0, 2.0, 3.0, 4.0]));
+    }
+
+    #[test]
+    fn int8_blocks_are_a_quarter_plus_scales() {
+        // smollm2: 3 kv heads x 64, 16 positions.
+        let layout = BlockLayout::new(192, 64, BLOCK_TOKENS, KvFormat::Int8);
+        let mut pool = BlockPool::with_layout(layout, 3);
+        assert_eq!(pool.block_len(), 6144);
+        assert_eq!(pool.block_bytes(), 6144 + 2 * 16 * 3 * 4);
+        assert_eq!(pool.block_bytes(), 6528);
+        assert_eq!(pool.bytes_total(), 3 * 6528);
+        let b = pool.allocate().expect("block");
+        match b.data() {
+            BlockData::Int8(d) => assert_eq!((d.values.len(), d.scales.len()), (6144, 96)),
+            BlockData::F32(_) => panic!("an 8-bit pool makes 8-bit blocks"),
+        }
+        assert_eq!(pool.bytes_used(), 6528);
+        pool.release(b);
+        assert_eq!(BlockPool::new(192, BLOCK_TOKENS, 1).block_bytes(), 24_576);
     }
 }

@@ -209,8 +209,10 @@ impl PrefixCache {
             return Err(KvError::LayoutMismatch {
                 row: kv.row(),
                 block_tokens: kv.block_tokens(),
+                format: kv.layout().format,
                 pool_row: kv.row(),
                 pool_block_tokens: self.block_tokens,
+                pool_format: kv.layout().format,
             });
         }
         if n_blocks == 0 || layers.is_empty() {

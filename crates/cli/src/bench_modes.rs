@@ -1,0 +1,196 @@
+//! `switchyard bench modes`: the mode × workload matrix of one model.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use switchyard_exits::{file, fingerprint, ExitHeads};
+use switchyard_models::{LayeredModel, LoadOptions, QuantTarget};
+use switchyard_modes::bench::{self, ModesBenchOptions};
+use switchyard_modes::serve::{ModeAssets, DEFAULT_SPEC_K};
+use switchyard_modes::{awq, bench::ModesReport};
+use switchyard_request::Mode;
+use switchyard_tokenizer::Tokenizer;
+
+use crate::output::write_json;
+
+/// Documents of the AWQ calibration (ShareGPT's calibration split) and their length.
+const AWQ_DOCS: usize = 4;
+const AWQ_DOC_TOKENS: usize = 256;
+
+#[derive(Args)]
+pub struct BenchModesArgs {
+    #[arg(long, default_value = switchyard_zoo::DEFAULT_MODEL)]
+    model: String,
+    /// Modes to measure (comma-separated; default all). f16 is always measured: every ratio
+    /// is taken against it.
+    #[arg(long, value_delimiter = ',')]
+    modes: Option<Vec<Mode>>,
+    /// Draft model of the `speculative` mode (same tokenizer as --model).
+    #[arg(long)]
+    draft: Option<String>,
+    /// Exit heads of `self-speculative` (default: `<model>.exits.safetensors`).
+    #[arg(long)]
+    heads: Option<PathBuf>,
+    /// Exit depth `self-speculative` drafts from (default: 3/4 of the layers).
+    #[arg(long)]
+    draft_depth: Option<usize>,
+    /// Tokens drafted per round by the speculative modes.
+    #[arg(long, default_value_t = DEFAULT_SPEC_K)]
+    spec_k: usize,
+    /// Requests per shape workload (SS, SL, LS, LL).
+    #[arg(long, default_value_t = 3)]
+    requests: usize,
+    #[arg(long, default_value_t = 16)]
+    batch_requests: usize,
+    /// Memory budget of each mode, MiB.
+    #[arg(long, default_value_t = 2048)]
+    budget_mib: u64,
+    /// Share of the budget claimed by something else in the memory-pressure workload.
+    #[arg(long, default_value_t = 0.7)]
+    pressure_claim: f64,
+    /// Items per multiple-choice task (ARC-Challenge, HellaSwag, MMLU).
+    #[arg(long, default_value_t = 20)]
+    mc_items: usize,
+    #[arg(long, default_value_t = 5)]
+    gsm8k_items: usize,
+    /// Write the report as JSON to FILE (stdout when omitted).
+    #[arg(long, value_name = "FILE", num_args = 0..=1)]
+    json: Option<Option<PathBuf>>,
+    /// Also write the Markdown report to FILE.
+    #[arg(long)]
+    markdown: Option<PathBuf>,
+    /// Write PNG charts into DIR.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+pub fn run(a: BenchModesArgs, threads: usize) -> anyhow::Result<()> {
+    let mut modes = a.modes.clone().unwrap_or_else(|| Mode::ALL.to_vec());
+    if !modes.contains(&Mode::F16) {
+        modes.insert(0, Mode::F16);
+    }
+    let path = switchyard_zoo::resolve_model(&a.model)?;
+    let source = switchyard_weights::open(&path)?;
+    let tokenizer = Arc::new(Tokenizer::from_source(&*source)?);
+    let draft = match &a.draft {
+        Some(d) => Some(switchyard_weights::open(switchyard_zoo::resolve_model(d)?)?),
+        None => None,
+    };
+    if modes.contains(&Mode::Speculative) && draft.is_none() {
+        eprintln!("speculative: no --draft given; its cells will say so");
+    }
+    let heads = if modes.contains(&Mode::SelfSpeculative) {
+        let heads_path = a
+            .heads
+            .clone()
+            .unwrap_or_else(|| file::default_heads_path(&path));
+        if heads_path.exists() {
+            let model = LayeredModel::load(Arc::clone(&source), &LoadOptions::default())?;
+            let fp = fingerprint::fingerprint(&path)?;
+            let heads: ExitHeads = file::load(&heads_path, &model, &fp)
+                .with_context(|| format!("loading {}", heads_path.display()))?;
+            let n = model.n_layers();
+            let want = a.draft_depth.unwrap_or(3 * n / 4);
+            let depth = heads
+                .depths()
+                .into_iter()
+                .min_by_key(|d| d.abs_diff(want))
+                .ok_or_else(|| anyhow::anyhow!("{} has no exit heads", heads_path.display()))?;
+            eprintln!("self-speculative: drafting from the exit at layer {depth} of {n}");
+            Some((Arc::new(heads), depth))
+        } else {
+            eprintln!(
+                "self-speculative: no exit heads at {} (run `switchyard calibrate --model {}`); its cells will say so",
+                heads_path.display(),
+                a.model
+            );
+            None
+        }
+    } else {
+        None
+    };
+    let awq = if modes.contains(&Mode::Q4Awq) {
+        let docs = calibration_docs(&tokenizer)?;
+        let pb = bar("AWQ calibration (layers)");
+        let c = awq::calibrate(Arc::clone(&source), &docs, QuantTarget::Q4, |d, n| {
+            pb.set_length(n as u64);
+            pb.set_position(d as u64);
+        })?;
+        pb.finish_and_clear();
+        let (plain, scaled) = c.total_error();
+        eprintln!(
+            "AWQ: {} calibration tokens; product error on them {:.4e} -> {:.4e} ({:+.1}%)",
+            c.calibration_tokens,
+            plain,
+            scaled,
+            100.0 * (scaled / plain - 1.0)
+        );
+        Some(Arc::new(c))
+    } else {
+        None
+    };
+    let assets = ModeAssets {
+        name: a.model.clone(),
+        source,
+        tokenizer,
+        draft,
+        heads,
+        awq,
+        spec_k: a.spec_k,
+    };
+    let opts = ModesBenchOptions {
+        modes,
+        requests: a.requests,
+        batch_requests: a.batch_requests,
+        budget: a.budget_mib << 20,
+        pressure_claim: a.pressure_claim,
+        mc_items: a.mc_items,
+        gsm8k_items: a.gsm8k_items,
+        ..ModesBenchOptions::default()
+    };
+    let started = std::time::Instant::now();
+    let r: ModesReport = bench::run(&assets, threads, &opts, |m| {
+        eprintln!("[{:>6.0} s] {m}", started.elapsed().as_secs_f64())
+    })?;
+    let md = r.markdown();
+    eprintln!("{md}");
+    if let Some(p) = &a.markdown {
+        std::fs::write(p, &md).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(dir) = &a.plot {
+        for p in r.plot(dir)? {
+            eprintln!("wrote {}", p.display());
+        }
+    }
+    write_json(&a.json, &r)
+}
+
+fn bar(msg: &'static str) -> ProgressBar {
+    let pb = ProgressBar::new(0);
+    pb.set_style(
+        ProgressStyle::with_template("{msg} {bar:30} {pos}/{len} [{elapsed}]")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    pb.set_message(msg);
+    pb
+}
+
+/// ShareGPT calibration-split documents for the activation-aware scales.
+pub fn calibration_docs(tokenizer: &Tokenizer) -> anyhow::Result<Vec<Vec<u32>>> {
+    use switchyard_exits::corpus::{Corpus, Split};
+    let corpus = Corpus::resolve("sharegpt")?;
+    let mut docs = Vec::new();
+    for d in corpus.documents(tokenizer, Split::Calibration, AWQ_DOC_TOKENS)? {
+        let d = d?;
+        if d.tokens.len() == AWQ_DOC_TOKENS {
+            docs.push(d.tokens);
+        }
+        if docs.len() == AWQ_DOCS {
+            break;
+        }
+    }
+    Ok(docs)
+}
