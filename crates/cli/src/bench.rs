@@ -33,6 +33,9 @@ pub enum BenchCommand {
     /// compressed K/V, hybrids) on SS/SL/LS/LL, shared-prefix, memory-pressure and batch
     /// workloads: latency, throughput, energy, peak memory, quality.
     Modes(crate::bench_modes::BenchModesArgs),
+    /// One mixed workload served by fixed f16, the rule router, learned routers (decision
+    /// tree, random forest, logistic regression) and the oracle, over a `bench modes` matrix.
+    Router(crate::bench_modes::BenchRouterArgs),
 }
 
 #[derive(Args)]
@@ -62,6 +65,7 @@ pub fn run(cmd: BenchCommand, threads: usize) -> anyhow::Result<()> {
         BenchCommand::Serve(a) => crate::bench_serve::run(a),
         BenchCommand::Helios(a) => crate::bench_helios::run(a, threads),
         BenchCommand::Modes(a) => crate::bench_modes::run(a, threads),
+        BenchCommand::Router(a) => crate::bench_modes::run_router(a, threads),
     }
 }
 

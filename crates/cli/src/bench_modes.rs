@@ -72,6 +72,70 @@ pub fn run(a: BenchModesArgs, threads: usize) -> anyhow::Result<()> {
     if !modes.contains(&Mode::F16) {
         modes.insert(0, Mode::F16);
     }
+    let assets = assets(&a, &modes)?;
+    let opts = options(&a, modes);
+    let started = std::time::Instant::now();
+    let r: ModesReport = bench::run(&assets, threads, &opts, |m| {
+        eprintln!("[{:>6.0} s] {m}", started.elapsed().as_secs_f64())
+    })?;
+    let md = r.markdown();
+    eprintln!("{md}");
+    if let Some(p) = &a.markdown {
+        std::fs::write(p, &md).with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(dir) = &a.plot {
+        for p in r.plot(dir)? {
+            eprintln!("wrote {}", p.display());
+        }
+    }
+    write_json(&a.json, &r)
+}
+
+#[derive(Args)]
+pub struct BenchRouterArgs {
+    /// The matrix `bench modes --json` wrote for the same model (and the same options).
+    #[arg(long)]
+    matrix: PathBuf,
+    #[command(flatten)]
+    modes: BenchModesArgs,
+}
+
+/// `switchyard bench router`: the mixed workload under fixed f16, rules, learned routers
+/// and the oracle.
+pub fn run_router(a: BenchRouterArgs, _threads: usize) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&a.matrix)
+        .with_context(|| format!("reading {}", a.matrix.display()))?;
+    let matrix: ModesReport = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a bench modes report", a.matrix.display()))?;
+    let modes: Vec<Mode> = matrix.quality.iter().map(|q| q.mode).collect();
+    let assets = assets(&a.modes, &modes)?;
+    let opts = options(&a.modes, modes);
+    let started = std::time::Instant::now();
+    let r = switchyard_modes::router_bench::run(&assets, &matrix, &opts, |m| {
+        eprintln!("[{:>6.0} s] {m}", started.elapsed().as_secs_f64())
+    })?;
+    let md = r.markdown();
+    eprintln!("{md}");
+    if let Some(p) = &a.modes.markdown {
+        std::fs::write(p, &md).with_context(|| format!("writing {}", p.display()))?;
+    }
+    write_json(&a.modes.json, &r)
+}
+
+fn options(a: &BenchModesArgs, modes: Vec<Mode>) -> ModesBenchOptions {
+    ModesBenchOptions {
+        modes,
+        requests: a.requests,
+        batch_requests: a.batch_requests,
+        budget: a.budget_mib << 20,
+        pressure_claim: a.pressure_claim,
+        mc_items: a.mc_items,
+        gsm8k_items: a.gsm8k_items,
+        ..ModesBenchOptions::default()
+    }
+}
+
+fn assets(a: &BenchModesArgs, modes: &[Mode]) -> anyhow::Result<ModeAssets> {
     let path = switchyard_zoo::resolve_model(&a.model)?;
     let source = switchyard_weights::open(&path)?;
     let tokenizer = Arc::new(Tokenizer::from_source(&*source)?);
@@ -79,6 +143,7 @@ pub fn run(a: BenchModesArgs, threads: usize) -> anyhow::Result<()> {
         Some(d) => Some(switchyard_weights::open(switchyard_zoo::resolve_model(d)?)?),
         None => None,
     };
+    let modes = modes.to_vec();
     if modes.contains(&Mode::Speculative) && draft.is_none() {
         eprintln!("speculative: no --draft given; its cells will say so");
     }
@@ -132,7 +197,7 @@ pub fn run(a: BenchModesArgs, threads: usize) -> anyhow::Result<()> {
     } else {
         None
     };
-    let assets = ModeAssets {
+    Ok(ModeAssets {
         name: a.model.clone(),
         source,
         tokenizer,
@@ -140,32 +205,7 @@ pub fn run(a: BenchModesArgs, threads: usize) -> anyhow::Result<()> {
         heads,
         awq,
         spec_k: a.spec_k,
-    };
-    let opts = ModesBenchOptions {
-        modes,
-        requests: a.requests,
-        batch_requests: a.batch_requests,
-        budget: a.budget_mib << 20,
-        pressure_claim: a.pressure_claim,
-        mc_items: a.mc_items,
-        gsm8k_items: a.gsm8k_items,
-        ..ModesBenchOptions::default()
-    };
-    let started = std::time::Instant::now();
-    let r: ModesReport = bench::run(&assets, threads, &opts, |m| {
-        eprintln!("[{:>6.0} s] {m}", started.elapsed().as_secs_f64())
-    })?;
-    let md = r.markdown();
-    eprintln!("{md}");
-    if let Some(p) = &a.markdown {
-        std::fs::write(p, &md).with_context(|| format!("writing {}", p.display()))?;
-    }
-    if let Some(dir) = &a.plot {
-        for p in r.plot(dir)? {
-            eprintln!("wrote {}", p.display());
-        }
-    }
-    write_json(&a.json, &r)
+    })
 }
 
 fn bar(msg: &'static str) -> ProgressBar {

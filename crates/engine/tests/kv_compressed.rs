@@ -55,12 +55,13 @@ const INT8_MIN_SHARED: usize = 40;
 // at most; K 0.017 alone, V 0.005 alone: outlier channels in K set coarse steps for the rest
 // of their row).
 
-/// Largest |log p| difference with exact weights, in nats. Measured: see the test output.
+/// Largest |log p| difference with exact weights, in nats. Measured: 0.146.
 const INT8_EXACT_LOGPROB_TOL: f32 = 0.3;
-/// Their mean. Measured: see the test output.
+/// Their mean. Measured: 0.018.
 const INT8_EXACT_LOGPROB_MEAN_TOL: f32 = 0.04;
-/// Tokens (of 160) that agree before the first divergence with exact weights.
-const INT8_EXACT_MIN_SHARED: usize = 150;
+/// Tokens (of 160) that agree before the first divergence with exact weights. Measured: 155
+/// (four prompts agree on all 32, the code prompt diverges at its 28th token).
+const INT8_EXACT_MIN_SHARED: usize = 140;
 
 fn source() -> Arc<dyn WeightSource> {
     let path = switchyard_zoo::ensure("smollm2-135m-instruct").expect("model");
@@ -262,7 +263,7 @@ fn int8_greedy_follows_the_f32_cache() {
 }
 
 /// With exact f32 weights (no activation rounding to amplify differences) the 8-bit cache's
-/// own effect shows: every prompt keeps the f32 cache's greedy tokens.
+/// own effect shows: the prompts keep (nearly all) the f32 cache's greedy tokens.
 #[test]
 fn int8_greedy_with_exact_weights_keeps_the_f32_tokens() {
     let pairs = greedy_both(&source(), WeightFormat::F32);
@@ -359,7 +360,12 @@ fn int8_preemption_and_batching_keep_each_sequences_results() {
     let s = core.stats();
     assert!(s.counters.preemptions >= 1, "{:?}", s.counters);
     assert!(s.counters.recomputed_tokens > 0);
-    assert_eq!(s.kv_blocks_used, 0);
+    // Only the prefix cache still holds blocks (prefix caching is on by default).
+    assert_eq!(s.kv_blocks_used, s.prefix_cached_blocks);
+    eprintln!(
+        "preemptions {}, recomputed tokens {}",
+        s.counters.preemptions, s.counters.recomputed_tokens
+    );
 }
 
 /// With 8-bit blocks, a prompt whose first blocks come from the prefix cache gives bit for bit

@@ -156,7 +156,7 @@ pub fn calibrate(
                 *s += f64::from(v.abs());
             }
             o.rows += 1;
-            if *counter % stride == 0 {
+            if (*counter).is_multiple_of(stride) {
                 o.sample.push(r);
             }
             *counter += 1;

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use switchyard_bench::quality::{self, McTask, Pick};
 use switchyard_bench::sharegpt;
 use switchyard_bench::stats::{median, percentile};
@@ -52,10 +52,10 @@ fn read_energy_uj(path: &Path) -> Option<f64> {
 }
 
 /// One workload: its requests and whether they are sent together.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Workload {
     pub name: String,
-    #[serde(skip)]
+    #[serde(skip, default)]
     pub prompts: Vec<Vec<u32>>,
     pub prompt_tokens: usize,
     pub output_tokens: usize,
@@ -186,7 +186,7 @@ pub fn workloads(tokenizer: &Tokenizer, opts: &ModesBenchOptions) -> Result<Vec<
 }
 
 /// One mode on one workload.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Cell {
     pub mode: Mode,
     pub workload: String,
@@ -206,7 +206,7 @@ pub struct Cell {
 }
 
 /// A mode's quality, on the same items for every mode.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ModeQuality {
     pub mode: Mode,
     pub bits_per_byte: Option<f64>,
@@ -221,18 +221,18 @@ pub struct ModeQuality {
     pub note: Option<String>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TaskScore {
     pub task: String,
     pub n: usize,
     pub correct: usize,
     pub accuracy: f64,
     pub ci95: (f64, f64),
-    #[serde(skip)]
+    #[serde(skip, default)]
     pub per_item: Vec<bool>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ModesReport {
     pub model: String,
     pub threads: usize,
@@ -365,12 +365,12 @@ fn failed(mode: Mode, w: &Workload, error: String) -> Cell {
         mode,
         workload: w.name.clone(),
         error: Some(error),
-        latency_mean_s: f64::NAN,
-        latency_p50_s: f64::NAN,
-        latency_p99_s: f64::NAN,
+        latency_mean_s: 0.0,
+        latency_p50_s: 0.0,
+        latency_p99_s: 0.0,
         output_tokens: 0,
-        duration_s: f64::NAN,
-        output_tokens_per_s: f64::NAN,
+        duration_s: 0.0,
+        output_tokens_per_s: 0.0,
         energy_j_per_token: None,
         peak_memory_bytes: 0,
         acceptance: None,

@@ -15,26 +15,49 @@ pub mod self_speculative;
 pub mod serve;
 pub mod speculative;
 
+/// Errors of the modes crate. Other crates' errors are boxed so the `Result` of every call
+/// stays small.
 #[derive(Debug, thiserror::Error)]
 pub enum ModesError {
     #[error(transparent)]
-    Model(#[from] switchyard_models::ModelError),
+    Model(Box<switchyard_models::ModelError>),
     #[error(transparent)]
-    Engine(#[from] switchyard_engine::EngineError),
+    Engine(Box<switchyard_engine::EngineError>),
     #[error(transparent)]
-    Exits(#[from] switchyard_exits::ExitsError),
+    Exits(Box<switchyard_exits::ExitsError>),
     #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    Candle(Box<candle_core::Error>),
     #[error(transparent)]
-    Weights(#[from] switchyard_weights::WeightsError),
+    Weights(Box<switchyard_weights::WeightsError>),
     #[error(transparent)]
-    Tokenizer(#[from] switchyard_tokenizer::TokenizerError),
+    Tokenizer(Box<switchyard_tokenizer::TokenizerError>),
     #[error(transparent)]
-    Zoo(#[from] switchyard_zoo::ZooError),
+    Zoo(Box<switchyard_zoo::ZooError>),
     #[error(transparent)]
-    Bench(#[from] switchyard_bench::BenchError),
+    Bench(Box<switchyard_bench::BenchError>),
     #[error("{0}")]
     Invalid(String),
 }
+
+macro_rules! boxed_from {
+    ($($variant:ident($t:ty)),* $(,)?) => {
+        $(impl From<$t> for ModesError {
+            fn from(e: $t) -> Self {
+                ModesError::$variant(Box::new(e))
+            }
+        })*
+    };
+}
+
+boxed_from!(
+    Model(switchyard_models::ModelError),
+    Engine(switchyard_engine::EngineError),
+    Exits(switchyard_exits::ExitsError),
+    Candle(candle_core::Error),
+    Weights(switchyard_weights::WeightsError),
+    Tokenizer(switchyard_tokenizer::TokenizerError),
+    Zoo(switchyard_zoo::ZooError),
+    Bench(switchyard_bench::BenchError),
+);
 
 pub type Result<T> = std::result::Result<T, ModesError>;

@@ -178,3 +178,27 @@ impl<'m> SelfSpeculativeDecoder<'m> {
         Ok(self.model.forward_layers(x, 0..self.depth, &mut batch)?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::speculative::testing::{
+        model, stat_worst_position, tokenizer, STAT_PROMPT, STAT_VOCAB,
+    };
+
+    /// Sampled self-speculation follows the full model's sampling distribution (chi-square at
+    /// p = 0.001 on each speculated position): the verifier's rows line up with the draft's.
+    #[test]
+    fn sampled_output_follows_the_full_models_distribution() {
+        let m = model(21, 3, STAT_VOCAB);
+        let heads = ExitHeads::logit_lens(&m, "synthetic", &[1]).expect("heads");
+        let dec = SelfSpeculativeDecoder::new(&m, &heads, 1)
+            .and_then(|d| d.with_draft_len(3))
+            .expect("decoder");
+        let tok = tokenizer(STAT_VOCAB);
+        let worst = stat_worst_position(&m, "self-speculative", |params| {
+            dec.generate(&tok, &STAT_PROMPT, params, |_| {})
+        });
+        assert!(worst < 1.0, "{worst:.2} of the critical value");
+    }
+}

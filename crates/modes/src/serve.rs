@@ -73,13 +73,13 @@ pub enum ModeServer {
     Engine(EngineHandle),
     /// Draft and target; the lock serves one sequence at a time.
     Speculative {
-        draft: LayeredModel,
-        target: LayeredModel,
+        draft: Box<LayeredModel>,
+        target: Box<LayeredModel>,
         k: usize,
         lock: Mutex<()>,
     },
     SelfSpeculative {
-        model: LayeredModel,
+        model: Box<LayeredModel>,
         heads: Arc<ExitHeads>,
         depth: usize,
         k: usize,
@@ -116,8 +116,8 @@ impl ModeServer {
                 check_fits(&[&model, &draft], budget)?;
                 SpeculativeDecoder::new(&draft, &model)?.with_draft_len(assets.spec_k)?;
                 Ok(Self::Speculative {
-                    draft,
-                    target: model,
+                    draft: Box::new(draft),
+                    target: Box::new(model),
                     k: assets.spec_k,
                     lock: Mutex::new(()),
                 })
@@ -133,7 +133,7 @@ impl ModeServer {
                 SelfSpeculativeDecoder::new(&model, &heads, depth)?
                     .with_draft_len(assets.spec_k)?;
                 Ok(Self::SelfSpeculative {
-                    model,
+                    model: Box::new(model),
                     heads,
                     depth,
                     k: assets.spec_k,

@@ -20,11 +20,11 @@
 //!
 //! Why the output is exact: for any `q`, a token leaves step 3 with probability
 //! `min(q, p) + (1 − Σ min(q, p)) · norm(max(0, p − q)) = p` (Leviathan et al., Appendix A.1).
-//! `p` and `q` here are the distributions the engine's [`Sampler`](switchyard_engine::Sampler) draws from: logits after the
-//! request's repetition penalty, then temperature, top-k and top-p ([`SpecSampler::dist`]). So
-//! the output follows the target's *sampling* distribution, not its raw softmax. It is the same
-//! distribution, not the same random stream: a seed reproduces a speculative run, not a plain
-//! one. Greedy requests make `p` and `q` point masses: a draft token is kept iff it is the
+//! `p` and `q` here are the distributions the engine's [`Sampler`](switchyard_engine::Sampler)
+//! draws from: logits after the request's repetition penalty, then temperature, top-k and top-p
+//! (`SpecSampler::dist`). So the output follows the target's *sampling* distribution, not its
+//! raw softmax. It is the same distribution, not the same random stream: a seed reproduces a
+//! speculative run, not a plain one. Greedy requests make `p` and `q` point masses: a draft token is kept iff it is the
 //! target's argmax, the correction is the target's argmax, and the output is exactly the
 //! target's greedy tokens (the target's rows do not depend on how many rows share a forward;
 //! see the models crate's invariant).
@@ -138,7 +138,7 @@ impl<'m> SpeculativeDecoder<'m> {
         for (role, m) in [("draft", draft), ("target", target)] {
             if let Some(l) = (0..m.n_layers()).find(|&l| !m.is_resident(l)) {
                 return Err(ModesError::Invalid(format!(
-                    "speculative decoding needs every layer of the {role} resident; layer {l} is not"
+                    "speculative decoding needs all layers of the {role} resident; layer {l} is not"
                 )));
             }
         }
@@ -378,9 +378,9 @@ impl SpecSampler {
         }
     }
 
-    /// The distribution [`switchyard_engine::Sampler::sample`] draws from for these logits and history: the
-    /// repetition penalty, then the argmax (greedy), or temperature, top-k and top-p with the
-    /// same order, tie-breaking and cut-offs.
+    /// The distribution [`switchyard_engine::Sampler::sample`] draws from for these logits and
+    /// history: the repetition penalty, then the argmax (greedy), or temperature, top-k and
+    /// top-p with the same order, tie-breaking and cut-offs.
     pub fn dist(&self, logits: &[f32], history: &[u32]) -> Dist {
         let p = &self.params;
         let mut l = logits.to_vec();
@@ -631,15 +631,20 @@ impl<'t, F: FnMut(&str)> Output<'t, F> {
 
 #[cfg(test)]
 pub(crate) mod testing {
-    //! Synthetic models and a matching tokenizer for fast tests.
+    //! Synthetic models, a matching tokenizer and the distribution test, for fast tests.
 
     use std::collections::BTreeMap;
     use std::sync::Arc;
 
     use candle_core::quantized::GgmlDType;
-    use switchyard_models::{LayeredModel, LoadOptions};
+    use switchyard_engine::generate::last_logits;
+    use switchyard_models::{DenseKv, LayeredModel, LoadOptions};
+    use switchyard_request::SamplingParams;
     use switchyard_tokenizer::Tokenizer;
     use switchyard_weights::{Architecture, MetaValue, Metadata, SyntheticSource};
+
+    use super::{Dist, SpecGeneration, SpecSampler, SpecStats};
+    use crate::Result;
 
     /// A random model of `layers` layers with `vocab` tokens. Models of one seed share their
     /// embedding, final norm and first layers (the weights are drawn in that order), so a
@@ -672,6 +677,95 @@ pub(crate) mod testing {
         md.insert("tokenizer.ggml.tokens", MetaValue::Array(pieces));
         md.insert("tokenizer.ggml.token_type", MetaValue::Array(types));
         Tokenizer::from_gguf_metadata(&md).expect("tokenizer")
+    }
+
+    /// Vocabulary of the distribution tests: small enough to enumerate every output prefix.
+    pub const STAT_VOCAB: usize = 8;
+    pub const STAT_PROMPT: [u32; 3] = [1, 3, 4];
+    /// Generations per distribution test: enough to fail both wrong rules by a factor of 5 or
+    /// more at the synthetic pair's 74 % acceptance, few enough for ~5 s each.
+    pub const STAT_SAMPLES: usize = 2_000;
+    /// Output length: the prompt pass gives token 1, speculation tokens 2 to 4.
+    const STAT_TOKENS: usize = 4;
+    /// Flattens the synthetic models' peaked logits so that every token has mass.
+    const STAT_TEMPERATURE: f32 = 2.5;
+
+    pub fn stat_params(seed: u64) -> SamplingParams {
+        SamplingParams {
+            max_tokens: STAT_TOKENS,
+            temperature: STAT_TEMPERATURE,
+            seed: Some(seed),
+            ignore_eos: true,
+            ..SamplingParams::default()
+        }
+    }
+
+    /// Exact probabilities of each token at output positions 2 to [`STAT_TOKENS`] under
+    /// `target`'s sampling distribution, summed over all earlier outputs.
+    pub fn exact_marginals(target: &LayeredModel) -> Vec<Vec<f64>> {
+        let sampler = SpecSampler::new(&stat_params(0));
+        let next = |prefix: &[u32]| -> Vec<f64> {
+            let mut seq = STAT_PROMPT.to_vec();
+            seq.extend_from_slice(prefix);
+            let mut kv = DenseKv::new(target.n_layers(), target.spec().kv_row_len());
+            let logits = last_logits(target, &mut kv, 0, &seq).expect("forward");
+            match sampler.dist(&logits, &seq) {
+                Dist::Probs(p) => p,
+                Dist::Point(_) => unreachable!("sampled params"),
+            }
+        };
+        // Joint probabilities of all output prefixes, one length at a time.
+        let mut prefixes: Vec<(Vec<u32>, f64)> = vec![(Vec::new(), 1.0)];
+        let mut marginals = Vec::new();
+        for len in 0..STAT_TOKENS {
+            let mut longer = Vec::new();
+            let mut marginal = vec![0.0; STAT_VOCAB];
+            for (prefix, w) in &prefixes {
+                for (t, p) in next(prefix).into_iter().enumerate() {
+                    marginal[t] += w * p;
+                    let mut pre = prefix.clone();
+                    pre.push(t as u32);
+                    longer.push((pre, w * p));
+                }
+            }
+            if len > 0 {
+                marginals.push(marginal);
+            }
+            prefixes = longer;
+        }
+        marginals
+    }
+
+    /// Runs `generate` for [`STAT_SAMPLES`] seeds and returns the largest chi-square statistic
+    /// over output positions 2 to [`STAT_TOKENS`] against `target`'s exact marginals, as a
+    /// fraction of its critical value at p = 0.001 (below 1 passes).
+    pub fn stat_worst_position(
+        target: &LayeredModel,
+        what: &str,
+        mut generate: impl FnMut(&SamplingParams) -> Result<SpecGeneration>,
+    ) -> f64 {
+        let want = exact_marginals(target);
+        let mut counts = vec![vec![0usize; STAT_VOCAB]; STAT_TOKENS - 1];
+        let mut stats = SpecStats::default();
+        for seed in 0..STAT_SAMPLES as u64 {
+            let out = generate(&stat_params(seed)).expect("generate");
+            assert_eq!(out.generation.tokens.len(), STAT_TOKENS);
+            for (pos, &t) in out.generation.tokens[1..].iter().enumerate() {
+                counts[pos][t as usize] += 1;
+            }
+            stats.accepted += out.stats.accepted;
+            stats.drafted += out.stats.drafted;
+        }
+        eprintln!("{what}: acceptance {:.3}", stats.acceptance_rate());
+        counts
+            .iter()
+            .zip(&want)
+            .map(|(c, p)| {
+                let (stat, df) = chi2(c, p);
+                eprintln!("{what}: chi2 {stat:.1} at {df} df");
+                stat / chi2_critical_p001(df)
+            })
+            .fold(0.0, f64::max)
     }
 
     /// Upper 0.1 % point of the chi-square distribution with `df` degrees of freedom
@@ -710,7 +804,9 @@ pub(crate) mod testing {
 
 #[cfg(test)]
 mod tests {
-    use super::testing::{chi2, chi2_critical_p001, model, tokenizer};
+    use super::testing::{
+        chi2, chi2_critical_p001, model, stat_worst_position, tokenizer, STAT_PROMPT, STAT_VOCAB,
+    };
     use super::*;
     use switchyard_engine::Sampler;
 
@@ -804,88 +900,19 @@ mod tests {
         }
     }
 
-    const STAT_VOCAB: usize = 8;
-    const STAT_SAMPLES: usize = 2_000;
-    const STAT_PROMPT: [u32; 3] = [1, 3, 4];
-    /// Flattens the synthetic models' peaked logits so that every token has mass.
-    const STAT_TEMPERATURE: f32 = 2.5;
-
-    fn stat_params(seed: u64) -> SamplingParams {
-        SamplingParams {
-            max_tokens: 4,
-            temperature: STAT_TEMPERATURE,
-            seed: Some(seed),
-            ignore_eos: true,
-            ..SamplingParams::default()
-        }
-    }
-
-    /// Exact probabilities of each token at output positions 2, 3 and 4 (the ones speculation
-    /// produces; position 1 comes from the prompt pass), summed over all earlier outputs.
-    fn exact_marginals(target: &LayeredModel) -> Vec<Vec<f64>> {
-        let sampler = SpecSampler::new(&stat_params(0));
-        let next = |prefix: &[u32]| -> Vec<f64> {
-            let mut seq = STAT_PROMPT.to_vec();
-            seq.extend_from_slice(prefix);
-            let mut kv = DenseKv::new(target.n_layers(), target.spec().kv_row_len());
-            let logits = last_logits(target, &mut kv, 0, &seq).expect("forward");
-            match sampler.dist(&logits, &seq) {
-                Dist::Probs(p) => p,
-                Dist::Point(_) => unreachable!("sampled params"),
-            }
-        };
-        // Joint probabilities of all output prefixes, one length at a time.
-        let mut prefixes: Vec<(Vec<u32>, f64)> = vec![(Vec::new(), 1.0)];
-        let mut marginals = Vec::new();
-        for len in 0..4 {
-            let mut longer = Vec::new();
-            let mut marginal = vec![0.0; STAT_VOCAB];
-            for (prefix, w) in &prefixes {
-                for (t, p) in next(prefix).into_iter().enumerate() {
-                    marginal[t] += w * p;
-                    let mut pre = prefix.clone();
-                    pre.push(t as u32);
-                    longer.push((pre, w * p));
-                }
-            }
-            if len > 0 {
-                marginals.push(marginal);
-            }
-            prefixes = longer;
-        }
-        marginals
-    }
-
-    /// The largest chi-square statistic over output positions 2–4, as a fraction of its
-    /// critical value at p = 0.001 (below 1 passes).
+    /// The largest chi-square statistic over the speculated positions, as a fraction of its
+    /// critical value at p = 0.001 (below 1 passes), for a rule.
     fn worst_position(draft: &LayeredModel, target: &LayeredModel, rule: Rule) -> f64 {
-        let tok = tokenizer(STAT_VOCAB);
-        let want = exact_marginals(target);
         let dec = SpeculativeDecoder::new(draft, target)
             .and_then(|d| d.with_draft_len(3))
             .expect("decoder");
-        let mut counts = vec![vec![0usize; STAT_VOCAB]; 3];
-        let mut accepted = 0;
-        for seed in 0..STAT_SAMPLES as u64 {
-            let out = dec
-                .generate_with_rule(&tok, &STAT_PROMPT, &stat_params(seed), rule)
-                .expect("generate");
-            assert_eq!(out.generation.tokens.len(), 4);
-            for (pos, &t) in out.generation.tokens[1..].iter().enumerate() {
-                counts[pos][t as usize] += 1;
-            }
-            accepted += out.stats.accepted;
-        }
-        eprintln!("{rule:?}: {accepted} draft tokens kept");
-        counts
-            .iter()
-            .zip(&want)
-            .map(|(c, p)| {
-                let (stat, df) = chi2(c, p);
-                eprintln!("{rule:?}: chi2 {stat:.1} at {df} df");
-                stat / chi2_critical_p001(df)
-            })
-            .fold(0.0, f64::max)
+        let tok = tokenizer(STAT_VOCAB);
+        RULE.with(|r| r.set(rule));
+        let worst = stat_worst_position(target, &format!("{rule:?}"), |params| {
+            dec.generate(&tok, &STAT_PROMPT, params, |_| {})
+        });
+        RULE.with(|r| r.set(Rule::Exact));
+        worst
     }
 
     /// Speculative sampling reproduces the target's sampling distribution (chi-square at
@@ -901,20 +928,5 @@ mod tests {
         assert!(always > 1.0, "always-accept passed: {always:.2}");
         let from_p = worst_position(&draft, &target, Rule::CorrectFromTarget);
         assert!(from_p > 1.0, "corrections from p passed: {from_p:.2}");
-    }
-
-    impl SpeculativeDecoder<'_> {
-        fn generate_with_rule(
-            &self,
-            tokenizer: &Tokenizer,
-            prompt: &[u32],
-            params: &SamplingParams,
-            rule: Rule,
-        ) -> Result<SpecGeneration> {
-            RULE.with(|r| r.set(rule));
-            let out = self.generate(tokenizer, prompt, params, |_| {});
-            RULE.with(|r| r.set(Rule::Exact));
-            out
-        }
     }
 }

@@ -171,6 +171,51 @@ fn self_speculative_greedy_equals_full_depth_at_every_exit() {
     }
 }
 
+/// Self-speculation through the logit lens at depth `d` is speculation with a draft made of
+/// the model's first `d` layers: with the same seed, sampled outputs agree token for token.
+#[test]
+fn self_speculation_is_speculation_with_the_first_layers_as_draft() {
+    let deep = spec(Architecture::Llama, VOCAB);
+    let mut shallow = deep.clone();
+    shallow.n_layers = 2;
+    // One seed: the shallow model's weights are the deep one's embedding, norm and layers 0..2.
+    let target = load(deep, 12, &LoadOptions::default());
+    let draft = load(shallow, 12, &LoadOptions::default());
+    let heads = ExitHeads::logit_lens(&target, "synthetic", &[2]).expect("heads");
+    let tok = tokenizer(VOCAB);
+    let spec_dec = SpeculativeDecoder::new(&draft, &target).expect("decoder");
+    let self_dec = SelfSpeculativeDecoder::new(&target, &heads, 2).expect("decoder");
+    for seed in 0..4 {
+        let params = SamplingParams {
+            max_tokens: 24,
+            temperature: 1.5,
+            top_k: 40,
+            top_p: 0.95,
+            repetition_penalty: 1.1,
+            seed: Some(seed),
+            ..SamplingParams::default()
+        };
+        let prompt = prompt(seed as u32, 6);
+        let a = spec_dec
+            .generate(&tok, &prompt, &params, |_| {})
+            .expect("spec");
+        let b = self_dec
+            .generate(&tok, &prompt, &params, |_| {})
+            .expect("self");
+        assert_eq!(a.generation.tokens, b.generation.tokens, "seed {seed}");
+        assert_eq!(
+            (a.stats.drafted, a.stats.accepted),
+            (b.stats.drafted, b.stats.accepted),
+            "seed {seed}"
+        );
+        assert!(
+            a.stats.accepted < a.stats.drafted,
+            "seed {seed}: {:?}",
+            a.stats
+        );
+    }
+}
+
 /// Stop strings, end-of-generation tokens, `ignore_eos`, small token limits and the
 /// repetition penalty end and shape the output exactly as in plain generation.
 #[test]
@@ -186,13 +231,12 @@ fn stops_and_limits_match_plain_generation() {
         ignore_eos: true,
         ..SamplingParams::greedy(48)
     };
-    let text = generate(&target, &tok, &prompt, &long, |_| {})
-        .expect("plain")
-        .text;
+    let long_plain = generate(&target, &tok, &prompt, &long, |_| {}).expect("plain");
+    let text = &long_plain.text;
     // A stop string from the middle of the output, and one that starts there and never ends.
     let mid = text.len() / 2;
     let stop = text[mid..mid + 5].to_string();
-    let mut cases = vec![
+    let cases = [
         SamplingParams::greedy(1),
         SamplingParams::greedy(2),
         SamplingParams::greedy(5),
@@ -212,10 +256,7 @@ fn stops_and_limits_match_plain_generation() {
     ];
     // End of generation as the model's own choice: a tokenizer whose end-of-generation id is
     // the 11th token of the output.
-    let long_tokens = generate(&target, &tok, &prompt, &long, |_| {})
-        .expect("plain")
-        .tokens;
-    let eos_tok = tokenizer_with_eos(VOCAB, long_tokens[10]);
+    let eos_tok = tokenizer_with_eos(VOCAB, long_plain.tokens[10]);
     let eos_case = SamplingParams::greedy(48);
     let cases = cases
         .iter()
@@ -373,16 +414,13 @@ fn bad_settings_are_refused() {
     let params = SamplingParams::greedy(4);
     assert!(matches!(
         dec.generate(&tok, &[], &params, |_| {}),
-        Err(ModesError::Engine(
-            switchyard_engine::EngineError::EmptyPrompt
-        ))
+        Err(ModesError::Engine(e)) if matches!(*e, switchyard_engine::EngineError::EmptyPrompt)
     ));
     let too_long = vec![5u32; 512];
     assert!(matches!(
         dec.generate(&tok, &too_long, &params, |_| {}),
-        Err(ModesError::Engine(
-            switchyard_engine::EngineError::PromptTooLong { .. }
-        ))
+        Err(ModesError::Engine(e))
+            if matches!(*e, switchyard_engine::EngineError::PromptTooLong { .. })
     ));
     let bad = SamplingParams {
         top_p: 0.0,
@@ -390,8 +428,6 @@ fn bad_settings_are_refused() {
     };
     assert!(matches!(
         dec.generate(&tok, &[5], &bad, |_| {}),
-        Err(ModesError::Engine(switchyard_engine::EngineError::Request(
-            _
-        )))
+        Err(ModesError::Engine(e)) if matches!(*e, switchyard_engine::EngineError::Request(_))
     ));
 }
