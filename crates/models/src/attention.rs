@@ -658,6 +658,46 @@ mod tests {
         }
     }
 
+    /// Every compiled path this CPU can run (scalar, AVX2, AVX-512) reads 8-bit chunks
+    /// correctly: attention over the dequantized values, as the reference computes it.
+    #[test]
+    fn int8_chunks_are_read_alike_by_every_simd_path() {
+        let levels: &[SimdLevel] = match simd_level() {
+            SimdLevel::Avx512 => &[SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512],
+            SimdLevel::Avx2 => &[SimdLevel::Scalar, SimdLevel::Avx2],
+            SimdLevel::Scalar => &[SimdLevel::Scalar],
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let s = SMOLLM2;
+        let (start, n) = (33, 7);
+        let (k, v) = realistic(&mut rng, start + n, &s);
+        let q: Vec<f32> = realistic(&mut rng, n * 3, &s).0;
+        let quant = Quantized::new(&k, &v, s.head_dim);
+        let (dk, dv) = quant.dequantized(s.head_dim);
+        let want = reference(&q, &dk, &dv, start, n, &s);
+        let seq = SeqAttn {
+            q: &q,
+            start,
+            n,
+            chunks: quant.chunks(&s, 16),
+        };
+        let (hd, group) = (s.head_dim, s.n_heads / s.n_kv_heads);
+        for &level in levels {
+            for g in 0..s.n_kv_heads {
+                let got = run_task(&seq, g, 0..n, &s, level);
+                for i in 0..n {
+                    let w = &want[i * s.n_heads * hd + g * group * hd..][..group * hd];
+                    for (a, b) in got[i * group * hd..(i + 1) * group * hd].iter().zip(w) {
+                        assert!(
+                            (a - b).abs() < 1e-5,
+                            "{level:?} head {g} row {i}: {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// Against the f32 cache the 8-bit one was made from: close (within
     /// [`KV_INT8_ATTN_RMS_TOL`] and [`KV_INT8_ATTN_MAX_TOL`]) but not equal, so the compression
     /// really is applied; and, like the f32 path, independent of how the cache is chunked,

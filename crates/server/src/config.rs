@@ -33,6 +33,36 @@ pub struct Config {
     /// HELIOS: several local models served under one name (see [`HeliosSection`]).
     #[serde(default)]
     pub helios: Option<HeliosSection>,
+    /// ModeSwitch: one model served in the mode the router picks per request.
+    #[serde(default)]
+    pub modeswitch: Option<ModeSwitchSection>,
+    /// The router's policy (classifier thresholds and ordered rules), as
+    /// `switchyard_router::DEFAULT_POLICY_TOML` documents; the paper's policy when absent.
+    #[serde(default)]
+    pub router: Option<toml::Table>,
+}
+
+/// ModeSwitch: one model served under one name in several inference modes; the rule router
+/// picks each request's mode from its features before generation.
+///
+/// ```toml
+/// [modeswitch]
+/// name = "smollm2-modes"
+/// path = "smollm2-135m-instruct"
+/// modes = ["f16", "int8", "q4", "q4+prefix-cache", "int8+continuous-batching"]
+/// mode_budget = "1GiB"      # each mode's engine: weights + KV pool + workspace
+/// memory_budget = "3GiB"    # all loaded modes together; least recently used are evicted
+/// ```
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModeSwitchSection {
+    pub name: String,
+    /// Zoo name, GGUF file or Hugging Face folder (default: `name`).
+    pub path: Option<String>,
+    /// The modes offered (engine-served modes; f16, the fallback, is always offered).
+    pub modes: Vec<switchyard_request::Mode>,
+    pub mode_budget: Option<String>,
+    pub memory_budget: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -174,6 +204,21 @@ impl Config {
         Ok(cfg)
     }
 
+    /// The router policy of `[router]`, or the paper's when the file has none.
+    pub fn router_policy(&self) -> Result<switchyard_router::Policy, ConfigError> {
+        match &self.router {
+            None => Ok(switchyard_router::Policy::default()),
+            Some(t) => {
+                let mut wrapper = toml::Table::new();
+                wrapper.insert("router".into(), toml::Value::Table(t.clone()));
+                let text = toml::to_string(&wrapper)
+                    .map_err(|e| ConfigError::Invalid(format!("[router]: {e}")))?;
+                switchyard_router::Policy::from_toml(&text)
+                    .map_err(|e| ConfigError::Invalid(format!("[router]: {e}")))
+            }
+        }
+    }
+
     /// The default model from the zoo on localhost: what `switchyard serve` runs with no config.
     pub fn default_model() -> Self {
         Self {
@@ -189,6 +234,8 @@ impl Config {
             }],
             backends: Vec::new(),
             helios: None,
+            modeswitch: None,
+            router: None,
         }
     }
 
@@ -201,6 +248,17 @@ impl Config {
                 .validate()
                 .and_then(|()| h.policy.validate())
                 .map_err(|e| ConfigError::Invalid(format!("[helios]: {e}")))?;
+        }
+        if let Some(m) = &self.modeswitch {
+            names.push(m.name.as_str());
+            if let Some(bad) = m.modes.iter().find(|m| m.speculative()) {
+                return Err(ConfigError::Invalid(format!(
+                    "[modeswitch]: the {bad} mode decodes one sequence at a time outside the serving engine and is not served over HTTP; use `switchyard bench modes` for it"
+                )));
+            }
+        }
+        if self.router.is_some() {
+            self.router_policy()?;
         }
         if names.is_empty() {
             return Err(ConfigError::Invalid(

@@ -13,6 +13,7 @@ pub mod error;
 pub mod helios;
 pub mod local;
 pub mod metrics;
+pub mod modeswitch;
 pub mod remote;
 pub mod routes;
 pub mod state;
@@ -68,7 +69,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         protected = protected
             .route("/admin/stats", get(routes::admin_stats))
             .route("/admin/depth", post(routes::admin_depth))
-            .route("/admin/pht", get(routes::admin_pht));
+            .route("/admin/pht", get(routes::admin_pht))
+            .route("/admin/routes", get(routes::admin_routes));
     }
     let protected = protected.route_layer(axum::middleware::from_fn_with_state(
         state.clone(),
@@ -99,6 +101,15 @@ pub async fn build_state(cfg: &Config) -> Result<Arc<AppState>, ServerError> {
             .map_err(|e| ServerError::Io(std::io::Error::other(e.to_string())))??;
         tracing::info!(model = %h.name, candidates = ?h.orchestrator.candidates(), "HELIOS started");
         models.insert(section.name.clone(), Served::Helios(Arc::new(h)));
+    }
+    if let Some(section) = &cfg.modeswitch {
+        let s = section.clone();
+        let policy = cfg.router_policy()?;
+        let m = tokio::task::spawn_blocking(move || modeswitch::ModeSwitchModel::start(&s, policy))
+            .await
+            .map_err(|e| ServerError::Io(std::io::Error::other(e.to_string())))??;
+        tracing::info!(model = %m.name, modes = ?section.modes, "ModeSwitch started");
+        models.insert(section.name.clone(), Served::Modes(Arc::new(m)));
     }
     for b in &cfg.backends {
         let r = Arc::new(RemoteModel::new(b).map_err(|e| ServerError::Backend {
@@ -163,6 +174,9 @@ pub async fn serve(
                 for e in &h.engines {
                     let _ = e.shutdown().recv().await;
                 }
+            }
+            Served::Modes(m) => {
+                let _ = m.base.handle.shutdown().recv().await;
             }
             Served::Remote(_) => {}
         }

@@ -66,6 +66,17 @@ impl LocalModel {
         })
     }
 
+    /// Serves `handle`'s engine under `name`.
+    pub fn from_handle(name: &str, handle: EngineHandle) -> Self {
+        let info = handle.info().clone();
+        Self {
+            name: name.to_string(),
+            handle,
+            info,
+            in_flight: AtomicUsize::new(0),
+        }
+    }
+
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::SeqCst)
     }

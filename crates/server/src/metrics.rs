@@ -39,6 +39,10 @@ pub struct Metrics {
     preemptions: GaugeVec,
     helios_decisions: GaugeVec,
     helios_seconds: GaugeVec,
+    /// ModeSwitch routing decisions by chosen mode, rule and whether it fell back.
+    pub route_decisions: IntCounterVec,
+    /// Time spent deciding (the router alone), summed.
+    pub route_seconds: CounterVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -75,7 +79,21 @@ impl Metrics {
             &["model", "kind"],
         ));
         must(registry.register(Box::new(prefix_tokens.clone())));
+        let route_seconds = must(CounterVec::new(
+            Opts::new(
+                "switchyard_route_decision_seconds_total",
+                "Time the ModeSwitch router spent deciding, summed over requests",
+            ),
+            &["model"],
+        ));
+        must(registry.register(Box::new(route_seconds.clone())));
         Self {
+            route_decisions: icounter(
+                "switchyard_route_decisions_total",
+                "ModeSwitch routing decisions by mode, rule and fallback",
+                &["model", "mode", "rule", "fallback"],
+            ),
+            route_seconds,
             requests: icounter(
                 "switchyard_requests_total",
                 "HTTP requests by route and status code",

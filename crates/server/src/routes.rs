@@ -107,6 +107,66 @@ async fn generate_inner(
             };
             Ok((name, resp))
         }
+        Served::Modes(ms) => {
+            let engine_req = ms.base.prepare(&req).map_err(fail)?;
+            let _in_flight = ms.enter();
+            let workload = headers
+                .get("x-switchyard-workload")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            let routed = ms.route(&engine_req, workload).await;
+            let r = &routed.record;
+            state
+                .metrics
+                .route_decisions
+                .with_label_values(&[
+                    name.as_str(),
+                    r.mode.name(),
+                    r.rule.as_str(),
+                    if r.fallback { "true" } else { "false" },
+                ])
+                .inc();
+            state
+                .metrics
+                .route_seconds
+                .with_label_values(&[&name])
+                .inc_by(r.decision_us / 1e6);
+            let m = routed.model;
+            let admission = m.admit(state.config.max_in_flight).map_err(fail)?;
+            let stream = m
+                .handle
+                .add_request(engine_req)
+                .map_err(|e| fail(e.into()))?;
+            let timeout = Duration::from_secs(state.config.request_timeout_s);
+            let mut resp = if req.stream {
+                stream_response(state.clone(), m, req, stream, admission, timeout)
+            } else {
+                full_response(state, &m, &req, stream, admission, timeout)
+                    .await
+                    .map_err(fail)?
+            };
+            let route = format!(
+                "rule={}; class={}; fallback={}; prompt_tokens={}; max_tokens={}; shared_prefix_tokens={}; memory_pressure={:.2}; queue_depth={}; workload={}",
+                r.rule,
+                r.class,
+                r.fallback,
+                r.features.prompt_tokens,
+                r.features.max_output_tokens,
+                r.features.shared_prefix_tokens,
+                r.features.memory_pressure,
+                r.features.queue_depth,
+                r.features.workload.as_deref().unwrap_or("-"),
+            );
+            for (k, v) in [
+                ("x-switchyard-mode", r.mode.name().to_string()),
+                ("x-switchyard-route", route),
+            ] {
+                if let Ok(v) = header::HeaderValue::from_str(&v) {
+                    resp.headers_mut().insert(k, v);
+                }
+            }
+            Ok((name, resp))
+        }
         Served::Remote(r) => {
             let admission = r.admit(state.config.max_in_flight).map_err(fail)?;
             let resp = r.forward(&req, admission).await.map_err(fail)?;
@@ -679,11 +739,13 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
                 Served::Local(_) => "switchyard".into(),
                 Served::Remote(_) => "remote".into(),
                 Served::Helios(_) => "switchyard-helios".into(),
+                Served::Modes(_) => "switchyard-modeswitch".into(),
             },
             max_model_len: match s {
                 Served::Local(m) => Some(m.info.context_length),
                 Served::Remote(_) => None,
                 Served::Helios(h) => Some(h.context_length),
+                Served::Modes(m) => Some(m.base.info.context_length),
             },
         })
         .collect();
@@ -739,6 +801,13 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
                     state.metrics.observe_helios(name, &s.counters);
                 }
             }
+            Served::Modes(m) => {
+                state
+                    .metrics
+                    .in_flight
+                    .with_label_values(&[name])
+                    .set(m.in_flight() as f64);
+            }
         }
     }
     (
@@ -767,6 +836,9 @@ pub async fn admin_stats(State(state): State<Arc<AppState>>) -> Response {
                 Ok(stats) => serde_json::to_value(stats).unwrap_or(Value::Null),
                 Err(e) => json!({"error": e.to_string()}),
             },
+            Served::Modes(m) => {
+                json!({"in_flight": m.in_flight(), "routes": m.recent_routes().len()})
+            }
         };
         out.insert(name.clone(), v);
     }
@@ -809,6 +881,10 @@ pub async fn admin_depth(State(state): State<Arc<AppState>>, body: Body) -> Resp
                 "model",
                 "the HELIOS orchestrator chooses its own depth",
             )),
+            Some(Served::Modes(_)) => Err(ApiError::unsupported(
+                "model",
+                "a ModeSwitch model serves every request at full depth",
+            )),
             None => Err(ApiError::UnknownModel(name.to_string())),
         }
     }
@@ -831,4 +907,15 @@ pub async fn admin_pht(State(state): State<Arc<AppState>>) -> Response {
         }
     }
     ApiError::UnknownModel("helios".into()).into_response()
+}
+
+/// The ModeSwitch models' most recent routing decisions with their features, newest last.
+pub async fn admin_routes(State(state): State<Arc<AppState>>) -> Response {
+    let mut out = BTreeMap::new();
+    for (name, s) in &state.models {
+        if let Served::Modes(m) = s {
+            out.insert(name.clone(), m.recent_routes());
+        }
+    }
+    Json(out).into_response()
 }

@@ -8,6 +8,7 @@ use crate::config::ServerSection;
 use crate::helios::HeliosModel;
 use crate::local::LocalModel;
 use crate::metrics::Metrics;
+use crate::modeswitch::ModeSwitchModel;
 use crate::remote::RemoteModel;
 
 #[derive(Clone)]
@@ -16,6 +17,8 @@ pub enum Served {
     Remote(Arc<RemoteModel>),
     /// The HELIOS orchestrator over several local engines.
     Helios(Arc<HeliosModel>),
+    /// One model in the mode the ModeSwitch router picks per request.
+    Modes(Arc<ModeSwitchModel>),
 }
 
 pub struct AppState {
