@@ -45,6 +45,10 @@ pub struct BenchModesArgs {
     requests: usize,
     #[arg(long, default_value_t = 16)]
     batch_requests: usize,
+    /// Workloads to run (comma-separated; default all): SS, SL, LS, LL, shared-prefix,
+    /// memory-pressure, batch.
+    #[arg(long, value_delimiter = ',')]
+    workloads: Option<Vec<String>>,
     /// Memory budget of each mode, MiB.
     #[arg(long, default_value_t = 2048)]
     budget_mib: u64,
@@ -131,6 +135,7 @@ fn options(a: &BenchModesArgs, modes: Vec<Mode>) -> ModesBenchOptions {
         pressure_claim: a.pressure_claim,
         mc_items: a.mc_items,
         gsm8k_items: a.gsm8k_items,
+        only: a.workloads.clone().unwrap_or_default(),
         ..ModesBenchOptions::default()
     }
 }

@@ -80,6 +80,8 @@ pub struct ModesBenchOptions {
     pub gsm8k_items: usize,
     /// Held-out text for bits per byte (tokens).
     pub bpb_tokens: usize,
+    /// Workloads to run by name (all when empty).
+    pub only: Vec<String>,
 }
 
 impl Default for ModesBenchOptions {
@@ -93,6 +95,7 @@ impl Default for ModesBenchOptions {
             mc_items: 20,
             gsm8k_items: 5,
             bpb_tokens: 4096,
+            only: Vec::new(),
         }
     }
 }

@@ -64,7 +64,7 @@ pub enum Mode {
     ChunkedPrefill,
     /// f16 with continuous batching (many sequences per step).
     ContinuousBatching,
-    /// f16 with K/V blocks stored as 8-bit with per-block scales.
+    /// f16 with K/V stored as 8-bit with one scale per (position, K/V head) in each block.
     KvCompressed,
     /// Q4 weights with the prefix cache on.
     Q4PrefixCache,
