@@ -309,6 +309,33 @@ mod tests {
         assert!(cfg.backends.is_empty());
     }
 
+    /// The example's commented ModeSwitch block, uncommented, parses with its router policy.
+    #[test]
+    fn the_example_modeswitch_block_parses_with_its_policy() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/serve.toml");
+        let text = std::fs::read_to_string(path).unwrap();
+        let start = text.find("# [modeswitch]").unwrap();
+        let block: String = text[start..]
+            .lines()
+            .filter_map(|l| l.strip_prefix("# "))
+            .filter(|l| l.starts_with('[') || l.contains(" = "))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let cfg = Config::parse(&block).unwrap();
+        let m = cfg.modeswitch.as_ref().unwrap();
+        assert_eq!(m.modes.len(), 5);
+        assert_eq!(m.mode_budget.as_deref(), Some("1GiB"));
+        let policy = cfg.router_policy().unwrap();
+        let ids: Vec<&str> = policy.rules().iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["batch", "default"]);
+        let bad = block.replace("mode = \"int8\"", "mode = \"int3\"");
+        let err = Config::parse(&bad).unwrap_err().to_string();
+        assert!(
+            err.starts_with("[router]: rule 2 (\"default\"): unknown mode \"int3\""),
+            "{err}"
+        );
+    }
+
     #[test]
     fn the_helios_section_parses_validates_and_refuses_unknown_keys() {
         let cfg = Config::parse(
