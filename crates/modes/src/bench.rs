@@ -308,7 +308,7 @@ pub fn run(
                 Err(e) => cells.push(failed(mode, w, e.to_string())),
             }
         }
-        if matches!(
+        let generates = matches!(
             mode,
             Mode::F16
                 | Mode::F32
@@ -318,7 +318,8 @@ pub fn run(
                 | Mode::KvCompressed
                 | Mode::SelfSpeculative
                 | Mode::Speculative
-        ) {
+        );
+        if generates && !gsm_items.is_empty() {
             progress(&format!("{mode}: GSM8K ({} items)", gsm_items.len()));
             let scored = match &full {
                 Ok(s) => Ok(s),
@@ -502,8 +503,10 @@ fn score_quality(
     let tokenizer = &assets.tokenizer;
     let held_out = held_out_text(tokenizer, opts.bpb_tokens)?;
     let mut items = Vec::new();
-    for task in [McTask::ArcChallenge, McTask::Hellaswag, McTask::Mmlu] {
-        items.push((task, quality::load_mc(task, opts.mc_items, Pick::First)?));
+    if opts.mc_items > 0 {
+        for task in [McTask::ArcChallenge, McTask::Hellaswag, McTask::Mmlu] {
+            items.push((task, quality::load_mc(task, opts.mc_items, Pick::First)?));
+        }
     }
     // Model-level scores per precision used by any mode.
     let mut by_precision: Vec<(Precision, Option<f64>, Vec<TaskScore>)> = Vec::new();
