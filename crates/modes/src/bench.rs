@@ -591,8 +591,9 @@ fn score_quality(
                         }
                     }
                 }
-                quality::paired_diff95(&a, &b)
-            });
+                (a.len() >= 2).then(|| quality::paired_diff95(&a, &b))
+            })
+            .flatten();
         out.push(ModeQuality {
             mode,
             bits_per_byte: *bpb,
