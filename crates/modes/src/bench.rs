@@ -419,7 +419,7 @@ fn run_cell(
                     .collect::<std::result::Result<Vec<_>, _>>()
             });
             while !waiter.is_finished() {
-                peak = peak.max(h.stats().wait()?.memory.in_use_bytes);
+                peak = peak.max(used_bytes(&h.stats().wait()?.memory));
                 std::thread::sleep(Duration::from_millis(50));
             }
             let done = waiter
@@ -447,7 +447,7 @@ fn run_cell(
                 accepted += out.accepted;
                 texts.push(out.text);
                 if let Some(h) = server.engine() {
-                    peak = peak.max(h.stats().wait()?.memory.in_use_bytes);
+                    peak = peak.max(used_bytes(&h.stats().wait()?.memory));
                 }
             }
         }
@@ -478,6 +478,12 @@ fn run_cell(
         },
         texts,
     ))
+}
+
+/// Memory the mode actually uses: weights, KV blocks holding positions (the pool itself is
+/// allocated up to the budget at start) and the activation workspace.
+fn used_bytes(m: &switchyard_engine::MemoryStats) -> u64 {
+    m.weights_bytes + m.kv_used_bytes + m.workspace_bytes
 }
 
 fn task_score(task: &str, per_item: Vec<bool>) -> TaskScore {
