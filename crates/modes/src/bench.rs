@@ -824,12 +824,13 @@ impl ModesReport {
             .flat_map(|s| s.points.iter().map(|p| p.1))
             .fold(1.0, f64::max);
         let path = dir.join("speedup.png");
-        let title = format!(
-            "Latency speedup vs f16 ({}); workloads: {}",
-            self.model,
+        let title = format!("Latency speedup vs f16 ({})", self.model);
+        let x_label = format!(
+            "workload: {}",
             self.workloads
                 .iter()
-                .map(|w| w.name.as_str())
+                .enumerate()
+                .map(|(i, w)| format!("{i} {}", w.name))
                 .collect::<Vec<_>>()
                 .join(", ")
         );
@@ -837,7 +838,7 @@ impl ModesReport {
             &path,
             &Chart {
                 title: &title,
-                x_label: "workload (index in the order above)",
+                x_label: &x_label,
                 y_label: "f16 latency / mode latency",
                 x: (0.0, (self.workloads.len().max(2) - 1) as f64),
                 y: (0.0, y_max * 1.1),

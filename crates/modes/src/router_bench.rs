@@ -29,9 +29,21 @@ pub const TRAIN_REQUESTS: usize = 400;
 pub const HELD_OUT_REQUESTS: usize = 200;
 
 /// The matrix as the oracle reads it: cells by workload, latency, memory, accuracy points.
+/// A workload where f16 itself did not run (it did not fit) has no baseline to gate against
+/// and is left out; the oracle maps its requests to the nearest measured cell.
 pub fn matrix_of(report: &ModesReport) -> ModeMatrix {
     let mut m = ModeMatrix::default();
-    for c in report.cells.iter().filter(|c| c.error.is_none()) {
+    let has_baseline = |w: &str| {
+        report
+            .cells
+            .iter()
+            .any(|c| c.workload == w && c.mode == Mode::F16 && c.error.is_none())
+    };
+    for c in report
+        .cells
+        .iter()
+        .filter(|c| c.error.is_none() && has_baseline(&c.workload))
+    {
         let accuracy = report
             .quality
             .iter()

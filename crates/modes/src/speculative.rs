@@ -31,8 +31,8 @@
 //!
 //! Vocabularies. Correctness needs nothing of the draft but that its proposals are valid
 //! target ids and that `q` is the distribution they were drawn from: the rule is exact for any
-//! `q`, whatever the draft conditioned on. So the vocabularies may differ in size (padded LM
-//! heads do: Qwen2.5 7B has 152,064 rows where 0.5B has 151,936). Draft logits are cut to the
+//! `q`, whatever the draft conditioned on. So the vocabularies may differ in size (a padded LM
+//! head makes them differ within one family). Draft logits are cut to the
 //! first `min(draft vocab, target vocab)` ids before the sampling transforms (`q` is zero
 //! beyond) and the residual is taken over the target's whole vocabulary; an id the draft has
 //! no embedding for (one the target produced past the draft's vocabulary) is read by the draft
