@@ -185,6 +185,18 @@ pub fn workloads(tokenizer: &Tokenizer, opts: &ModesBenchOptions) -> Result<Vec<
         0,
         &mut take,
     ));
+    if !opts.only.is_empty() {
+        if let Some(bad) = opts
+            .only
+            .iter()
+            .find(|n| !out.iter().any(|w| &w.name == *n))
+        {
+            return Err(ModesError::Invalid(format!(
+                "unknown workload {bad:?}; known: SS, SL, LS, LL, shared-prefix, memory-pressure, batch"
+            )));
+        }
+        out.retain(|w| opts.only.contains(&w.name));
+    }
     Ok(out)
 }
 
