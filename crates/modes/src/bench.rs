@@ -595,7 +595,7 @@ fn score_quality(
         let delta = by_precision
             .iter()
             .find(|(p, ..)| *p == Precision::F16)
-            .map(|(_, _, base)| {
+            .and_then(|(_, _, base)| {
                 let mut a = Vec::new();
                 let mut b = Vec::new();
                 for t in &tasks {
@@ -610,8 +610,7 @@ fn score_quality(
                     }
                 }
                 (a.len() >= 2).then(|| quality::paired_diff95(&a, &b))
-            })
-            .flatten();
+            });
         out.push(ModeQuality {
             mode,
             bits_per_byte: *bpb,
