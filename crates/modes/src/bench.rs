@@ -567,6 +567,10 @@ fn score_quality(
                 "log-likelihood scores and bits per byte are the {} model's (same logits); GSM8K and ROUGE-L are this mode's own generations",
                 mode.precision().name()
             )),
+            (None, None) if mode.speculative() || mode.kv_compressed() => Some(format!(
+                "log-likelihood scores and bits per byte are the {} model's (same logits); ROUGE-L is this mode's own generations",
+                mode.precision().name()
+            )),
             (None, None) => Some(format!(
                 "all scores are the {} model's: this mode changes scheduling only, not logits",
                 mode.precision().name()
