@@ -35,7 +35,7 @@ use switchyard_request::SamplingParams;
 use switchyard_tokenizer::Tokenizer;
 
 use crate::speculative::{
-    check_draft_len, check_prompt, logit_rows, Dist, Output, SpecGeneration, SpecSampler,
+    check_draft_len, check_prompt, logit_rows, settle_round, Output, SpecGeneration, SpecSampler,
     SpecStats, DEFAULT_DRAFT_LEN,
 };
 use crate::{ModesError, Result};
@@ -146,17 +146,7 @@ impl<'m> SelfSpeculativeDecoder<'m> {
                 let h = model.forward_layers(x, d..n, &mut batch)?;
                 logit_rows(&model.logits(&h)?)?
             };
-            stats.target_forwards += 1;
-            let p: Vec<Dist> = rows
-                .iter()
-                .enumerate()
-                .map(|(j, l)| sampler.dist(l, &seq[..s + j]))
-                .collect();
-            let verdict = sampler.verify(&seq[s..], &q, &p);
-            stats.verify_secs += t.elapsed().as_secs_f64();
-            stats.rounds += 1;
-            stats.drafted += k;
-            stats.accepted += verdict.accepted;
+            let verdict = settle_round(&mut sampler, &rows, &seq, s, &q, t, &mut stats);
 
             kv.truncate(s + verdict.accepted);
             done = out.push_all(&seq[s..s + verdict.accepted], verdict.next)?;

@@ -223,17 +223,7 @@ impl<'m> SpeculativeDecoder<'m> {
                 let h = target.forward_layers(x, 0..target.n_layers(), &mut batch)?;
                 logit_rows(&target.logits(&h)?)?
             };
-            stats.target_forwards += 1;
-            let p: Vec<Dist> = rows
-                .iter()
-                .enumerate()
-                .map(|(j, l)| sampler.dist(l, &seq[..s + j]))
-                .collect();
-            let verdict = sampler.verify(&seq[s..], &q, &p);
-            stats.verify_secs += t.elapsed().as_secs_f64();
-            stats.rounds += 1;
-            stats.drafted += k;
-            stats.accepted += verdict.accepted;
+            let verdict = settle_round(&mut sampler, &rows, &seq, s, &q, t, &mut stats);
 
             target_kv.truncate(s + verdict.accepted);
             draft_kv.truncate(s + verdict.accepted);
@@ -301,6 +291,32 @@ pub(crate) fn check_prompt(
         .into());
     }
     Ok(params.max_tokens.min(context - prompt.len()))
+}
+
+/// The end of one draft-and-verify round, the same for both decoders: the target's
+/// distributions at the drafted positions (`rows`, one per drafted token plus the bonus),
+/// the accept/reject verdict on `seq[s..]`, and the round's counters.
+pub(crate) fn settle_round(
+    sampler: &mut SpecSampler,
+    rows: &[Vec<f32>],
+    seq: &[u32],
+    s: usize,
+    q: &[Dist],
+    started: Instant,
+    stats: &mut SpecStats,
+) -> Verdict {
+    stats.target_forwards += 1;
+    let p: Vec<Dist> = rows
+        .iter()
+        .enumerate()
+        .map(|(j, l)| sampler.dist(l, &seq[..s + j]))
+        .collect();
+    let verdict = sampler.verify(&seq[s..], q, &p);
+    stats.verify_secs += started.elapsed().as_secs_f64();
+    stats.rounds += 1;
+    stats.drafted += q.len();
+    stats.accepted += verdict.accepted;
+    verdict
 }
 
 /// Logits `[rows, vocab]` as one vector per row.

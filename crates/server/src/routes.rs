@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream::{self, Stream};
 use serde_json::{json, Value};
-use switchyard_engine::{RequestOutput, RequestStream};
+use switchyard_engine::{EngineRequest, RequestOutput, RequestStream};
 
 use crate::api::{
     now_secs, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessageOut,
@@ -92,19 +92,7 @@ async fn generate_inner(
     match served {
         Served::Local(m) => {
             let engine_req = m.prepare(&req).map_err(fail)?;
-            let admission = m.admit(state.config.max_in_flight).map_err(fail)?;
-            let stream = m
-                .handle
-                .add_request(engine_req)
-                .map_err(|e| fail(e.into()))?;
-            let timeout = Duration::from_secs(state.config.request_timeout_s);
-            let resp = if req.stream {
-                stream_response(state.clone(), m, req, stream, admission, timeout)
-            } else {
-                full_response(state, &m, &req, stream, admission, timeout)
-                    .await
-                    .map_err(fail)?
-            };
+            let resp = serve_local(state, m, req, engine_req).await.map_err(fail)?;
             Ok((name, resp))
         }
         Served::Modes(ms) => {
@@ -131,20 +119,9 @@ async fn generate_inner(
                 .route_seconds
                 .with_label_values(&[&name])
                 .inc_by(r.decision_us / 1e6);
-            let m = routed.model;
-            let admission = m.admit(state.config.max_in_flight).map_err(fail)?;
-            let stream = m
-                .handle
-                .add_request(engine_req)
-                .map_err(|e| fail(e.into()))?;
-            let timeout = Duration::from_secs(state.config.request_timeout_s);
-            let mut resp = if req.stream {
-                stream_response(state.clone(), m, req, stream, admission, timeout)
-            } else {
-                full_response(state, &m, &req, stream, admission, timeout)
-                    .await
-                    .map_err(fail)?
-            };
+            let mut resp = serve_local(state, Arc::clone(&routed.model), req, engine_req)
+                .await
+                .map_err(fail)?;
             let route = format!(
                 "rule={}; class={}; fallback={}; prompt_tokens={}; max_tokens={}; shared_prefix_tokens={}; memory_pressure={:.2}; queue_depth={}; workload={}",
                 r.rule,
@@ -189,6 +166,30 @@ async fn generate_inner(
             };
             Ok((name, resp))
         }
+    }
+}
+
+/// Admits a prepared request to a local engine and answers it, streamed or whole.
+async fn serve_local(
+    state: &Arc<AppState>,
+    m: Arc<LocalModel>,
+    req: ValidRequest,
+    engine_req: EngineRequest,
+) -> Result<Response, ApiError> {
+    let admission = m.admit(state.config.max_in_flight)?;
+    let stream = m.handle.add_request(engine_req)?;
+    let timeout = Duration::from_secs(state.config.request_timeout_s);
+    if req.stream {
+        Ok(stream_response(
+            state.clone(),
+            m,
+            req,
+            stream,
+            admission,
+            timeout,
+        ))
+    } else {
+        full_response(state, &m, &req, stream, admission, timeout).await
     }
 }
 
