@@ -6,19 +6,14 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use switchyard_exits::{file, fingerprint, ExitHeads};
-use switchyard_models::{LayeredModel, LoadOptions, QuantTarget};
+use switchyard_exits::file;
 use switchyard_modes::bench::{self, ModesBenchOptions};
 use switchyard_modes::serve::{ModeAssets, DEFAULT_SPEC_K};
-use switchyard_modes::{awq, bench::ModesReport};
+use switchyard_modes::{assets, bench::ModesReport};
 use switchyard_request::Mode;
 use switchyard_tokenizer::Tokenizer;
 
 use crate::output::write_json;
-
-/// Documents of the AWQ calibration (ShareGPT's calibration split) and their length.
-const AWQ_DOCS: usize = 4;
-const AWQ_DOC_TOKENS: usize = 256;
 
 #[derive(Args)]
 pub struct BenchModesArgs {
@@ -40,6 +35,10 @@ pub struct BenchModesArgs {
     /// Tokens drafted per round by the speculative modes.
     #[arg(long, default_value_t = DEFAULT_SPEC_K)]
     spec_k: usize,
+    /// Longest sequence (prompt + output) each engine serves, below the model's context: the
+    /// workspace of modes without chunked prefill is sized for it.
+    #[arg(long)]
+    max_model_len: Option<usize>,
     /// Requests per shape workload (SS, SL, LS, LL).
     #[arg(long, default_value_t = 3)]
     requests: usize,
@@ -157,35 +156,23 @@ fn assets(a: &BenchModesArgs, modes: &[Mode]) -> anyhow::Result<ModeAssets> {
             .heads
             .clone()
             .unwrap_or_else(|| file::default_heads_path(&path));
-        if heads_path.exists() {
-            let model = LayeredModel::load(Arc::clone(&source), &LoadOptions::default())?;
-            let fp = fingerprint::fingerprint(&path)?;
-            let heads: ExitHeads = file::load(&heads_path, &model, &fp)
-                .with_context(|| format!("loading {}", heads_path.display()))?;
-            let n = model.n_layers();
-            let want = a.draft_depth.unwrap_or(3 * n / 4);
-            let depth = heads
-                .depths()
-                .into_iter()
-                .min_by_key(|d| d.abs_diff(want))
-                .ok_or_else(|| anyhow::anyhow!("{} has no exit heads", heads_path.display()))?;
-            eprintln!("self-speculative: drafting from the exit at layer {depth} of {n}");
-            Some((Arc::new(heads), depth))
-        } else {
-            eprintln!(
-                "self-speculative: no exit heads at {} (run `switchyard calibrate --model {}`); its cells will say so",
-                heads_path.display(),
-                a.model
-            );
-            None
+        match assets::self_speculative_heads(&path, Arc::clone(&source), &heads_path, a.draft_depth)
+        {
+            Ok((heads, depth)) => {
+                eprintln!("self-speculative: drafting from the exit at layer {depth}");
+                Some((heads, depth))
+            }
+            Err(e) => {
+                eprintln!("self-speculative: {e}; its cells will say so");
+                None
+            }
         }
     } else {
         None
     };
     let awq = if modes.contains(&Mode::Q4Awq) {
-        let docs = calibration_docs(&tokenizer)?;
         let pb = bar("AWQ calibration (layers)");
-        let c = awq::calibrate(Arc::clone(&source), &docs, QuantTarget::Q4, |d, n| {
+        let c = assets::calibrate_awq(Arc::clone(&source), &tokenizer, |d, n| {
             pb.set_length(n as u64);
             pb.set_position(d as u64);
         })?;
@@ -210,6 +197,7 @@ fn assets(a: &BenchModesArgs, modes: &[Mode]) -> anyhow::Result<ModeAssets> {
         heads,
         awq,
         spec_k: a.spec_k,
+        max_model_len: a.max_model_len,
     })
 }
 
@@ -221,21 +209,4 @@ fn bar(msg: &'static str) -> ProgressBar {
     );
     pb.set_message(msg);
     pb
-}
-
-/// ShareGPT calibration-split documents for the activation-aware scales.
-pub fn calibration_docs(tokenizer: &Tokenizer) -> anyhow::Result<Vec<Vec<u32>>> {
-    use switchyard_exits::corpus::{Corpus, Split};
-    let corpus = Corpus::resolve("sharegpt")?;
-    let mut docs = Vec::new();
-    for d in corpus.documents(tokenizer, Split::Calibration, AWQ_DOC_TOKENS)? {
-        let d = d?;
-        if d.tokens.len() == AWQ_DOC_TOKENS {
-            docs.push(d.tokens);
-        }
-        if docs.len() == AWQ_DOCS {
-            break;
-        }
-    }
-    Ok(docs)
 }

@@ -49,6 +49,11 @@ pub struct EngineConfig {
     /// positions in the same memory, attention within a stated tolerance; see
     /// [`crate::kv::format`]).
     pub kv_format: KvFormat,
+    /// Longest sequence (prompt + output) served, below the model's context (as vLLM's
+    /// `max_model_len`): without chunked prefill the activation workspace is sized for one
+    /// whole prompt, so a long-context model's workspace shrinks with it. `None`: the model's
+    /// context.
+    pub max_model_len: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -58,6 +63,7 @@ impl Default for EngineConfig {
             scheduler: SchedulerConfig::default(),
             block_tokens: BLOCK_TOKENS,
             kv_format: KvFormat::F32,
+            max_model_len: None,
         }
     }
 }
@@ -219,7 +225,16 @@ impl EngineCore {
                 "block_tokens must be positive".into(),
             ));
         }
-        let step_tokens = cfg.scheduler.max_step_tokens(spec.context_length);
+        let context = match cfg.max_model_len {
+            Some(m) if m < 2 => {
+                return Err(EngineError::BadConfig(format!(
+                    "max_model_len must be at least 2 (one prompt token and one output), got {m}"
+                )))
+            }
+            Some(m) => m.min(spec.context_length),
+            None => spec.context_length,
+        };
+        let step_tokens = cfg.scheduler.max_step_tokens(context);
         let workspace = activation_bytes(spec, step_tokens, cfg.scheduler.max_num_seqs) as u64;
         let layout = BlockLayout::for_spec(spec, cfg.block_tokens, cfg.kv_format);
         let block_bytes = layout.block_bytes() as u64;
@@ -227,17 +242,12 @@ impl EngineCore {
         let weights = model.resident_bytes().total() as u64 + exit.resident_bytes() as u64;
         let plan = budget.plan(weights, workspace, block_bytes)?;
         let pool = BlockPool::with_layout(layout, plan.kv_blocks);
-        let scheduler = Scheduler::new(
-            cfg.scheduler,
-            pool,
-            model.n_layers(),
-            depth,
-            spec.context_length,
-        )?;
+        let scheduler = Scheduler::new(cfg.scheduler, pool, model.n_layers(), depth, context)?;
         tracing::info!(
             budget = cfg.memory_budget,
             weights,
             workspace,
+            context,
             kv_blocks = plan.kv_blocks,
             kv_format = %cfg.kv_format,
             depth,

@@ -39,7 +39,7 @@ pub struct EngineInfo {
     pub tokenizer: Arc<Tokenizer>,
 }
 
-enum Command {
+pub(crate) enum Command {
     Add {
         id: RequestId,
         request: EngineRequest,
@@ -150,6 +150,17 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
+    /// A handle speaking to a thread that reads `tx`'s commands.
+    pub(crate) fn over(tx: mpsc::Sender<Command>, info: EngineInfo) -> Self {
+        Self {
+            tx,
+            next_id: Arc::new(AtomicU64::new(0)),
+            info: Arc::new(info),
+        }
+    }
+}
+
+impl EngineHandle {
     /// Builds an engine over `model` (see [`EngineCore::new`]) that stops on the tokenizer's
     /// end-of-generation tokens, and starts it.
     pub fn start(
@@ -170,7 +181,7 @@ impl EngineHandle {
         let info = Arc::new(EngineInfo {
             model: model_name.to_string(),
             n_layers: core.model().n_layers(),
-            context_length: spec.context_length,
+            context_length: core.scheduler().context(),
             vocab_size: spec.vocab_size,
             tokenizer: Arc::clone(&tokenizer),
         });

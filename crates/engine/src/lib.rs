@@ -26,6 +26,7 @@ pub mod residency;
 pub mod sampler;
 pub mod scheduler;
 pub mod score;
+pub mod sequential;
 pub mod stop;
 
 pub use crate::core::{
@@ -41,6 +42,7 @@ pub use residency::{LayerLoadTime, LoadReport};
 pub use sampler::{Sampled, Sampler};
 pub use scheduler::SchedulerConfig;
 pub use score::{score_text, Score, ScoreOptions};
+pub use sequential::{DecodedToken, SequentialDecoder};
 pub use stop::{StopMatcher, StopOutcome};
 
 #[derive(Debug, thiserror::Error)]

@@ -7,6 +7,7 @@
 //!   forward (Leviathan et al.); [`self_speculative`]: the draft is the model's own first
 //!   layers through an exit head (LayerSkip), sharing their K/V with the verifier.
 
+pub mod assets;
 pub mod awq;
 pub mod bench;
 pub mod precision;

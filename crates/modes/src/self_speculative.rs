@@ -28,15 +28,16 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use switchyard_engine::generate::last_logits;
-use switchyard_engine::GenerationTiming;
+use switchyard_engine::sampler::log_softmax_at;
+use switchyard_engine::{DecodedToken, GenerationTiming};
 use switchyard_exits::ExitHeads;
 use switchyard_models::{DenseKv, ForwardBatch, LayeredModel};
 use switchyard_request::SamplingParams;
 use switchyard_tokenizer::Tokenizer;
 
 use crate::speculative::{
-    check_draft_len, check_prompt, logit_rows, settle_round, Output, SpecGeneration, SpecSampler,
-    SpecStats, DEFAULT_DRAFT_LEN,
+    check_draft_len, check_prompt, logit_rows, settle_round, text_only, Output, SpecGeneration,
+    SpecSampler, SpecStats, DEFAULT_DRAFT_LEN,
 };
 use crate::{ModesError, Result};
 
@@ -99,12 +100,25 @@ impl<'m> SelfSpeculativeDecoder<'m> {
         params: &SamplingParams,
         on_text: impl FnMut(&str),
     ) -> Result<SpecGeneration> {
+        self.generate_with(tokenizer, prompt, params, text_only(on_text))
+    }
+
+    /// [`Self::generate`], calling `emit` with each output token, its log-probability and the
+    /// text it made final; `emit` returning `false` ends the generation with
+    /// [`switchyard_request::FinishReason::Abort`] before the next round.
+    pub fn generate_with(
+        &self,
+        tokenizer: &Tokenizer,
+        prompt: &[u32],
+        params: &SamplingParams,
+        emit: impl FnMut(Option<DecodedToken>, &str) -> bool,
+    ) -> Result<SpecGeneration> {
         let _span =
             tracing::debug_span!("self_speculative", k = self.k, depth = self.depth).entered();
         let (model, d, n) = (self.model, self.depth, self.model.n_layers());
         let max_new = check_prompt(params, prompt, model.spec().context_length)?;
         let mut sampler = SpecSampler::new(params);
-        let mut out = Output::new(tokenizer, prompt, params, max_new, on_text);
+        let mut out = Output::new(tokenizer, prompt, params, max_new, emit);
         let mut kv = DenseKv::new(n, model.spec().kv_row_len());
         let mut stats = SpecStats::default();
 
@@ -114,7 +128,7 @@ impl<'m> SelfSpeculativeDecoder<'m> {
         let first = sampler.sample(&sampler.dist(&logits, prompt));
         let prompt_secs = t0.elapsed().as_secs_f64();
         let decode_start = Instant::now();
-        let mut done = out.push(first)?;
+        let mut done = out.push(first, log_softmax_at(&logits, first as usize))?;
         while !done {
             let _round = tracing::trace_span!("self_spec_round").entered();
             let mut seq = out.history().to_vec();
@@ -149,7 +163,7 @@ impl<'m> SelfSpeculativeDecoder<'m> {
             let verdict = settle_round(&mut sampler, &rows, &seq, s, &q, t, &mut stats);
 
             kv.truncate(s + verdict.accepted);
-            done = out.push_all(&seq[s..s + verdict.accepted], verdict.next)?;
+            done = out.push_all(&seq[s..s + verdict.accepted], verdict.next, &rows)?;
         }
         let timing = GenerationTiming {
             prompt_secs,

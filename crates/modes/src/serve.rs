@@ -10,15 +10,20 @@
 //!
 //! Speculative modes decode one sequence at a time with a draft and a verifier (draft and
 //! verify are not batched across requests); requests routed to them queue for the decoder.
+//! [`ModeServer::into_handle`] puts them behind the same [`EngineHandle`] as engine modes
+//! (see `switchyard_engine::sequential`), which is how the server streams and aborts them.
 //! CUDA graphs, one of the paper's modes, have no CPU counterpart and are not offered.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use switchyard_engine::{EngineConfig, EngineHandle, EngineRequest, KvFormat, SchedulerConfig};
+use switchyard_engine::{
+    DecodedToken, EngineConfig, EngineHandle, EngineInfo, EngineRequest, KvFormat, SchedulerConfig,
+    SequentialDecoder,
+};
 use switchyard_exits::ExitHeads;
 use switchyard_models::LayeredModel;
-use switchyard_request::{Mode, SamplingParams};
+use switchyard_request::{FinishReason, Mode, SamplingParams};
 use switchyard_tokenizer::Tokenizer;
 use switchyard_weights::WeightSource;
 
@@ -66,6 +71,9 @@ pub struct ModeAssets {
     /// Calibration of `q4-awq`.
     pub awq: Option<Arc<AwqCalibration>>,
     pub spec_k: usize,
+    /// Longest sequence served (see [`EngineConfig::max_model_len`]); `None`: the model's
+    /// context.
+    pub max_model_len: Option<usize>,
 }
 
 /// A mode ready to serve.
@@ -143,7 +151,10 @@ impl ModeServer {
             _ => Ok(Self::Engine(EngineHandle::start(
                 model,
                 Arc::clone(&assets.tokenizer),
-                engine_config(mode, budget),
+                EngineConfig {
+                    max_model_len: assets.max_model_len,
+                    ..engine_config(mode, budget)
+                },
                 &assets.name,
             )?)),
         }
@@ -211,11 +222,133 @@ impl ModeServer {
         }
     }
 
+    /// The mode behind an [`EngineHandle`]: engine modes as they are, speculative modes on a
+    /// thread that serves their requests one after another. `budget` is what its statistics
+    /// report as the memory budget.
+    pub fn into_handle(self, assets: &ModeAssets, budget: u64) -> Result<EngineHandle> {
+        let tokenizer = Arc::clone(&assets.tokenizer);
+        let info = |m: &LayeredModel| EngineInfo {
+            model: assets.name.clone(),
+            n_layers: m.n_layers(),
+            context_length: assets
+                .max_model_len
+                .map_or(m.spec().context_length, |c| c.min(m.spec().context_length)),
+            vocab_size: m.spec().vocab_size,
+            tokenizer: Arc::clone(&tokenizer),
+        };
+        let (decoder, info): (Box<dyn SequentialDecoder>, EngineInfo) = match self {
+            Self::Engine(h) => return Ok(h),
+            Self::Speculative {
+                draft, target, k, ..
+            } => {
+                let info = info(&target);
+                (
+                    Box::new(SpeculativeServing {
+                        draft,
+                        target,
+                        k,
+                        tokenizer,
+                    }),
+                    info,
+                )
+            }
+            Self::SelfSpeculative {
+                model,
+                heads,
+                depth,
+                k,
+                ..
+            } => {
+                let info = info(&model);
+                (
+                    Box::new(SelfSpeculativeServing {
+                        model,
+                        heads,
+                        depth,
+                        k,
+                        tokenizer,
+                    }),
+                    info,
+                )
+            }
+        };
+        Ok(EngineHandle::spawn_sequential(decoder, info, budget)?)
+    }
+
     pub fn engine(&self) -> Option<&EngineHandle> {
         match self {
             Self::Engine(h) => Some(h),
             _ => None,
         }
+    }
+}
+
+/// `speculative` behind an engine handle.
+struct SpeculativeServing {
+    draft: Box<LayeredModel>,
+    target: Box<LayeredModel>,
+    k: usize,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl SequentialDecoder for SpeculativeServing {
+    fn generate(
+        &mut self,
+        request: &EngineRequest,
+        emit: &mut dyn FnMut(Option<DecodedToken>, &str) -> bool,
+    ) -> switchyard_engine::Result<FinishReason> {
+        let g = SpeculativeDecoder::new(&self.draft, &self.target)
+            .and_then(|d| d.with_draft_len(self.k))
+            .and_then(|d| d.generate_with(&self.tokenizer, &request.prompt, &request.params, emit))
+            .map_err(into_engine_error)?;
+        tracing::debug!(
+            drafted = g.stats.drafted,
+            accepted = g.stats.accepted,
+            "speculative request done"
+        );
+        Ok(g.generation.finish_reason)
+    }
+
+    fn weights_bytes(&self) -> u64 {
+        [&self.draft, &self.target]
+            .iter()
+            .map(|m| m.resident_bytes().total() as u64)
+            .sum()
+    }
+}
+
+/// `self-speculative` behind an engine handle.
+struct SelfSpeculativeServing {
+    model: Box<LayeredModel>,
+    heads: Arc<ExitHeads>,
+    depth: usize,
+    k: usize,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl SequentialDecoder for SelfSpeculativeServing {
+    fn generate(
+        &mut self,
+        request: &EngineRequest,
+        emit: &mut dyn FnMut(Option<DecodedToken>, &str) -> bool,
+    ) -> switchyard_engine::Result<FinishReason> {
+        let g = SelfSpeculativeDecoder::new(&self.model, &self.heads, self.depth)
+            .and_then(|d| d.with_draft_len(self.k))
+            .and_then(|d| d.generate_with(&self.tokenizer, &request.prompt, &request.params, emit))
+            .map_err(into_engine_error)?;
+        Ok(g.generation.finish_reason)
+    }
+
+    fn weights_bytes(&self) -> u64 {
+        self.model.resident_bytes().total() as u64
+    }
+}
+
+/// The engine's error for a decoder's: its own kinds as they are, the rest as a failed step.
+fn into_engine_error(e: ModesError) -> switchyard_engine::EngineError {
+    match e {
+        ModesError::Engine(e) => *e,
+        other => switchyard_engine::EngineError::StepFailed(other.to_string()),
     }
 }
 

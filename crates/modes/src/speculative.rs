@@ -53,8 +53,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use switchyard_engine::generate::last_logits;
-use switchyard_engine::sampler::argmax;
-use switchyard_engine::{EngineError, Generation, GenerationTiming, StopMatcher, StopOutcome};
+use switchyard_engine::sampler::{argmax, log_softmax_at};
+use switchyard_engine::{
+    DecodedToken, EngineError, Generation, GenerationTiming, StopMatcher, StopOutcome,
+};
 use switchyard_models::{DenseKv, ForwardBatch, LayeredModel, SeqKv};
 use switchyard_request::{FinishReason, SamplingParams};
 use switchyard_tokenizer::{StreamDecoder, Tokenizer};
@@ -179,11 +181,24 @@ impl<'m> SpeculativeDecoder<'m> {
         params: &SamplingParams,
         on_text: impl FnMut(&str),
     ) -> Result<SpecGeneration> {
+        self.generate_with(tokenizer, prompt, params, text_only(on_text))
+    }
+
+    /// [`Self::generate`], calling `emit` with each output token, its log-probability and the
+    /// text it made final; `emit` returning `false` ends the generation with
+    /// [`FinishReason::Abort`] before the next round.
+    pub fn generate_with(
+        &self,
+        tokenizer: &Tokenizer,
+        prompt: &[u32],
+        params: &SamplingParams,
+        emit: impl FnMut(Option<DecodedToken>, &str) -> bool,
+    ) -> Result<SpecGeneration> {
         let _span = tracing::debug_span!("speculative", k = self.k).entered();
         let target = self.target;
         let max_new = check_prompt(params, prompt, target.spec().context_length)?;
         let mut sampler = SpecSampler::new(params);
-        let mut out = Output::new(tokenizer, prompt, params, max_new, on_text);
+        let mut out = Output::new(tokenizer, prompt, params, max_new, emit);
         let mut target_kv = DenseKv::new(target.n_layers(), target.spec().kv_row_len());
         let mut draft_kv = DenseKv::new(self.draft.n_layers(), self.draft.spec().kv_row_len());
         let mut stats = SpecStats::default();
@@ -194,7 +209,7 @@ impl<'m> SpeculativeDecoder<'m> {
         let first = sampler.sample(&sampler.dist(&logits, prompt));
         let prompt_secs = t0.elapsed().as_secs_f64();
         let decode_start = Instant::now();
-        let mut done = out.push(first)?;
+        let mut done = out.push(first, log_softmax_at(&logits, first as usize))?;
         while !done {
             let _round = tracing::trace_span!("spec_round").entered();
             let mut seq = out.history().to_vec();
@@ -227,7 +242,7 @@ impl<'m> SpeculativeDecoder<'m> {
 
             target_kv.truncate(s + verdict.accepted);
             draft_kv.truncate(s + verdict.accepted);
-            done = out.push_all(&seq[s..s + verdict.accepted], verdict.next)?;
+            done = out.push_all(&seq[s..s + verdict.accepted], verdict.next, &rows)?;
         }
         let timing = GenerationTiming {
             prompt_secs,
@@ -533,27 +548,28 @@ impl SpecSampler {
 }
 
 /// The output side of generation, as [`switchyard_engine::generate`] does it: end-of-generation
-/// tokens, stop strings held back until decided, streamed text, the token limit.
+/// tokens, stop strings held back until decided, streamed text, the token limit. Each token
+/// goes to `emit` with the text it made final; `emit` returning `false` aborts the generation.
 pub(crate) struct Output<'t, F> {
     tokenizer: &'t Tokenizer,
     stream: StreamDecoder<'t>,
     stop: StopMatcher,
     ignore_eos: bool,
     max_new: usize,
-    on_text: F,
+    emit: F,
     /// Prompt and output tokens.
     history: Vec<u32>,
     generation: Generation,
     hit_stop_string: bool,
 }
 
-impl<'t, F: FnMut(&str)> Output<'t, F> {
+impl<'t, F: FnMut(Option<DecodedToken>, &str) -> bool> Output<'t, F> {
     pub fn new(
         tokenizer: &'t Tokenizer,
         prompt: &[u32],
         params: &SamplingParams,
         max_new: usize,
-        on_text: F,
+        emit: F,
     ) -> Self {
         Self {
             tokenizer,
@@ -561,7 +577,7 @@ impl<'t, F: FnMut(&str)> Output<'t, F> {
             stop: StopMatcher::new(&params.stop),
             ignore_eos: params.ignore_eos,
             max_new,
-            on_text,
+            emit,
             history: prompt.to_vec(),
             generation: Generation {
                 tokens: Vec::new(),
@@ -584,64 +600,83 @@ impl<'t, F: FnMut(&str)> Output<'t, F> {
     }
 
     /// Takes `accepted` then `next`, in order, until one ends the generation; returns whether
-    /// one did.
-    pub fn push_all(&mut self, accepted: &[u32], next: u32) -> Result<bool> {
-        for &t in accepted.iter().chain([&next]) {
-            if self.push(t)? {
+    /// one did. `rows[j]` holds the serving model's logits for the `j`-th of them.
+    pub fn push_all(&mut self, accepted: &[u32], next: u32, rows: &[Vec<f32>]) -> Result<bool> {
+        for (j, &t) in accepted.iter().chain([&next]).enumerate() {
+            let logprob = rows
+                .get(j)
+                .filter(|r| (t as usize) < r.len())
+                .map_or(0.0, |r| log_softmax_at(r, t as usize));
+            if self.push(t, logprob)? {
                 return Ok(true);
             }
         }
         Ok(false)
     }
 
-    /// Takes one generated token; returns whether the generation is over.
-    pub fn push(&mut self, token: u32) -> Result<bool> {
+    /// Takes one generated token and its log-probability; returns whether the generation is
+    /// over.
+    pub fn push(&mut self, token: u32, logprob: f32) -> Result<bool> {
         if !self.ignore_eos && self.tokenizer.is_end_of_generation(token) {
             self.generation.finish_reason = FinishReason::Stop;
             return Ok(true);
         }
         self.generation.tokens.push(token);
         self.history.push(token);
-        let piece = self.stream.push(token).map_err(EngineError::from)?;
-        if let Some(piece) = piece {
+        let mut text = String::new();
+        let mut over = false;
+        if let Some(piece) = self.stream.push(token).map_err(EngineError::from)? {
             match self.stop.push(&piece) {
-                StopOutcome::Continue(t) => self.emit(&t),
+                StopOutcome::Continue(t) => text = t,
                 StopOutcome::Stopped(t) => {
-                    self.emit(&t);
+                    text = t;
                     self.generation.finish_reason = FinishReason::Stop;
                     self.hit_stop_string = true;
-                    return Ok(true);
+                    over = true;
                 }
             }
         }
-        Ok(self.generation.tokens.len() >= self.max_new)
+        self.generation.text.push_str(&text);
+        if !(self.emit)(Some(DecodedToken { token, logprob }), &text) {
+            self.generation.finish_reason = FinishReason::Abort;
+            return Ok(true);
+        }
+        Ok(over || self.generation.tokens.len() >= self.max_new)
     }
 
     /// Emits what the stream decoder and the stop matcher still hold.
     pub fn finish(mut self, timing: GenerationTiming) -> Result<Generation> {
-        if !self.hit_stop_string {
+        if !self.hit_stop_string && self.generation.finish_reason != FinishReason::Abort {
             let tail = self.stream.flush().unwrap_or_default();
-            match self.stop.push(&tail) {
-                StopOutcome::Continue(t) => {
-                    self.emit(&t);
-                    let rest = self.stop.finish();
-                    self.emit(&rest);
+            let text = match self.stop.push(&tail) {
+                StopOutcome::Continue(mut t) => {
+                    t.push_str(&self.stop.finish());
+                    t
                 }
                 StopOutcome::Stopped(t) => {
-                    self.emit(&t);
                     self.generation.finish_reason = FinishReason::Stop;
+                    t
                 }
+            };
+            if !text.is_empty() {
+                self.generation.text.push_str(&text);
+                (self.emit)(None, &text);
             }
         }
         self.generation.timing = timing;
         Ok(self.generation)
     }
+}
 
-    fn emit(&mut self, piece: &str) {
-        if !piece.is_empty() {
-            self.generation.text.push_str(piece);
-            (self.on_text)(piece);
+/// Adapts a text callback to [`Output`]'s emitter.
+pub(crate) fn text_only(
+    mut on_text: impl FnMut(&str),
+) -> impl FnMut(Option<DecodedToken>, &str) -> bool {
+    move |_, text| {
+        if !text.is_empty() {
+            on_text(text);
         }
+        true
     }
 }
 

@@ -52,17 +52,33 @@ pub struct Config {
 /// modes = ["f16", "int8", "q4", "q4+prefix-cache", "int8+continuous-batching"]
 /// mode_budget = "1GiB"      # each mode's engine: weights + KV pool + workspace
 /// memory_budget = "3GiB"    # all loaded modes together; least recently used are evicted
+/// # draft = "qwen2.5-coder-0.5b-instruct"  # `speculative`: a draft with the same tokenizer
+/// # exit_heads = "model.exits.safetensors" # `self-speculative` (default: beside the model)
 /// ```
+///
+/// Speculative modes decode one request at a time (queued in arrival order); `q4-awq` is
+/// calibrated when first loaded.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ModeSwitchSection {
     pub name: String,
     /// Zoo name, GGUF file or Hugging Face folder (default: `name`).
     pub path: Option<String>,
-    /// The modes offered (engine-served modes; f16, the fallback, is always offered).
+    /// The modes offered (f16, the fallback, is always offered).
     pub modes: Vec<switchyard_request::Mode>,
     pub mode_budget: Option<String>,
     pub memory_budget: Option<String>,
+    /// Draft model of `speculative` (zoo name, GGUF file or folder; same tokenizer).
+    pub draft: Option<String>,
+    /// Exit heads of `self-speculative` (default: `<model>.exits.safetensors`).
+    pub exit_heads: Option<std::path::PathBuf>,
+    /// Exit layer `self-speculative` drafts from (default: the exit nearest 3/4 of the depth).
+    pub draft_depth: Option<usize>,
+    /// Tokens drafted per round by the speculative modes.
+    pub draft_len: Option<usize>,
+    /// Longest sequence (prompt + output) served, below the model's context (vLLM's
+    /// `max_model_len`): modes without chunked prefill size their workspace for it.
+    pub max_model_len: Option<usize>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -109,6 +125,8 @@ pub struct ModelSection {
     pub max_num_seqs: Option<usize>,
     pub prefix_caching: Option<bool>,
     pub chunked_prefill: Option<bool>,
+    /// Longest sequence (prompt + output) served, below the model's context.
+    pub max_model_len: Option<usize>,
 }
 
 /// The HELIOS orchestrator over the local models of a repository, served as one model name.
@@ -231,6 +249,7 @@ impl Config {
                 max_num_seqs: None,
                 prefix_caching: None,
                 chunked_prefill: None,
+                max_model_len: None,
             }],
             backends: Vec::new(),
             helios: None,
@@ -251,10 +270,15 @@ impl Config {
         }
         if let Some(m) = &self.modeswitch {
             names.push(m.name.as_str());
-            if let Some(bad) = m.modes.iter().find(|m| m.speculative()) {
-                return Err(ConfigError::Invalid(format!(
-                    "[modeswitch]: the {bad} mode decodes one sequence at a time outside the serving engine and is not served over HTTP; use `switchyard bench modes` for it"
-                )));
+            if m.modes.contains(&switchyard_request::Mode::Speculative) && m.draft.is_none() {
+                return Err(ConfigError::Invalid(
+                    "[modeswitch]: the speculative mode needs `draft`, a model with the same tokenizer".into(),
+                ));
+            }
+            if m.draft_len == Some(0) {
+                return Err(ConfigError::Invalid(
+                    "[modeswitch]: draft_len must be at least 1".into(),
+                ));
             }
         }
         if self.router.is_some() {

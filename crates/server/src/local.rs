@@ -56,6 +56,7 @@ impl LocalModel {
         if let Some(c) = section.chunked_prefill {
             cfg.scheduler.chunked_prefill = c;
         }
+        cfg.max_model_len = section.max_model_len;
         let handle = EngineHandle::start(model, tokenizer, cfg, &section.name)?;
         let info = handle.info().clone();
         Ok(Self {

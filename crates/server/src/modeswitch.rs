@@ -6,6 +6,11 @@
 //! loaded modes would exceed the memory budget. f16, the fallback, is loaded at start-up and
 //! never evicted: a mode that fails to load, or cannot get room, falls back to it.
 //!
+//! The speculative modes run behind the same engine handle, one request at a time in arrival
+//! order (their draft/verify rounds are not batched across requests). `q4-awq` is calibrated
+//! on ShareGPT's calibration split when first loaded, and the calibration is kept for later
+//! loads.
+//!
 //! Features known at request time: prompt tokens (after the chat template), requested output
 //! tokens, shared-prefix tokens (the longest block-aligned prefix of this prompt seen in an
 //! earlier one), memory pressure (the share of the f16 engine's KV pool in use), queue depth
@@ -22,6 +27,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 use switchyard_engine::EngineRequest;
+use switchyard_modes::awq::AwqCalibration;
 use switchyard_modes::serve::{ModeAssets, ModeServer, DEFAULT_SPEC_K};
 use switchyard_request::Mode;
 use switchyard_router::{Decision, ModeSet, Policy, RequestFeatures, Router, RulesRouter};
@@ -109,6 +115,8 @@ pub struct ModeSwitchModel {
     /// f16: tokenizes and validates every request, and serves fallbacks.
     pub base: Arc<LocalModel>,
     engines: tokio::sync::Mutex<Vec<Loaded>>,
+    /// `q4-awq`'s calibration, made on its first load.
+    awq: Mutex<Option<Arc<AwqCalibration>>>,
     prefixes: Mutex<PrefixIndex>,
     recent: Mutex<VecDeque<RouteRecord>>,
     in_flight: AtomicUsize,
@@ -143,18 +151,50 @@ impl ModeSwitchModel {
             mode_budget * offered.iter().count() as u64,
         )?;
         if total_budget < mode_budget {
-            return Err(ServerError::Config(crate::config::ConfigError::Invalid(format!(
+            return Err(invalid(format!(
                 "[modeswitch]: memory_budget ({total_budget} bytes) is below one mode's budget ({mode_budget})"
-            ))));
+            )));
         }
+        let draft = match (&section.draft, offered.contains(Mode::Speculative)) {
+            (Some(d), true) => {
+                let draft = switchyard_weights::open(switchyard_zoo::resolve_model(d)?)?;
+                let dt = Tokenizer::from_source(&*draft)?;
+                if dt.vocab_size() != tokenizer.vocab_size() {
+                    return Err(invalid(format!(
+                        "[modeswitch]: draft {d:?} has a tokenizer of {} tokens, the model one of {}; speculative decoding needs the same tokenizer",
+                        dt.vocab_size(),
+                        tokenizer.vocab_size()
+                    )));
+                }
+                Some(draft)
+            }
+            _ => None,
+        };
+        let heads = if offered.contains(Mode::SelfSpeculative) {
+            let heads_path = section
+                .exit_heads
+                .clone()
+                .unwrap_or_else(|| switchyard_exits::file::default_heads_path(&path));
+            let (heads, depth) = switchyard_modes::assets::self_speculative_heads(
+                &path,
+                Arc::clone(&source),
+                &heads_path,
+                section.draft_depth,
+            )
+            .map_err(|e| invalid(format!("[modeswitch]: {e}")))?;
+            Some((heads, depth))
+        } else {
+            None
+        };
         let assets = ModeAssets {
             name: section.name.clone(),
             source,
             tokenizer,
-            draft: None,
-            heads: None,
+            draft,
+            heads,
             awq: None,
-            spec_k: DEFAULT_SPEC_K,
+            spec_k: section.draft_len.unwrap_or(DEFAULT_SPEC_K),
+            max_model_len: section.max_model_len,
         };
         let base = Arc::new(load_local(&section.name, Mode::F16, &assets, mode_budget)?);
         Ok(Self {
@@ -170,6 +210,7 @@ impl ModeSwitchModel {
                 last_used: Instant::now(),
             }]),
             base,
+            awq: Mutex::default(),
             prefixes: Mutex::default(),
             recent: Mutex::default(),
             in_flight: AtomicUsize::new(0),
@@ -283,7 +324,10 @@ impl ModeSwitchModel {
             tracing::info!(model = %self.name, mode = %evicted.mode, "mode evicted (least recently used)");
             let _ = evicted.model.handle.shutdown().recv().await;
         }
-        let (name, assets, budget) = (self.name.clone(), self.assets.clone(), self.mode_budget);
+        let (name, mut assets, budget) = (self.name.clone(), self.assets.clone(), self.mode_budget);
+        if mode == Mode::Q4Awq {
+            assets.awq = Some(self.awq_calibration().await?);
+        }
         let t0 = Instant::now();
         let local = tokio::task::spawn_blocking(move || load_local(&name, mode, &assets, budget))
             .await
@@ -297,6 +341,30 @@ impl ModeSwitchModel {
             last_used: Instant::now(),
         });
         Ok(local)
+    }
+
+    /// `q4-awq`'s calibration, made on first use (called with the engines locked, so once).
+    async fn awq_calibration(&self) -> Result<Arc<AwqCalibration>, String> {
+        if let Some(c) = self.awq.lock().ok().and_then(|c| c.clone()) {
+            return Ok(c);
+        }
+        let (source, tokenizer) = (
+            Arc::clone(&self.assets.source),
+            Arc::clone(&self.assets.tokenizer),
+        );
+        let t0 = Instant::now();
+        let c = tokio::task::spawn_blocking(move || {
+            switchyard_modes::assets::calibrate_awq(source, &tokenizer, |_, _| {})
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("q4-awq calibration: {e}"))?;
+        tracing::info!(model = %self.name, seconds = t0.elapsed().as_secs_f64(), tokens = c.calibration_tokens, "q4-awq calibrated");
+        let c = Arc::new(c);
+        if let Ok(mut slot) = self.awq.lock() {
+            *slot = Some(Arc::clone(&c));
+        }
+        Ok(c)
     }
 
     /// Counts a request in flight until the returned guard drops.
@@ -320,17 +388,17 @@ fn load_local(
     assets: &ModeAssets,
     budget: u64,
 ) -> Result<LocalModel, ServerError> {
-    match ModeServer::load(mode, assets, budget) {
-        Ok(ModeServer::Engine(handle)) => Ok(LocalModel::from_handle(name, handle)),
-        Ok(_) => Err(ServerError::Backend {
-            name: name.into(),
-            detail: format!("{mode} is not an engine-served mode"),
-        }),
-        Err(e) => Err(ServerError::Backend {
+    ModeServer::load(mode, assets, budget)
+        .and_then(|m| m.into_handle(assets, budget))
+        .map(|handle| LocalModel::from_handle(name, handle))
+        .map_err(|e| ServerError::Backend {
             name: name.into(),
             detail: format!("{mode}: {e}"),
-        }),
-    }
+        })
+}
+
+fn invalid(msg: String) -> ServerError {
+    ServerError::Config(crate::config::ConfigError::Invalid(msg))
 }
 
 #[cfg(test)]

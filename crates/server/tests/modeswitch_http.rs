@@ -2,7 +2,9 @@
 //! features (the workload label header, prompt and output lengths), the answer comes from
 //! that mode's engine (the same greedy tokens as the mode's model run directly), a mode the
 //! server does not offer falls back to f16, and every decision is visible in headers,
-//! `/admin/routes` and `/metrics`.
+//! `/admin/routes` and `/metrics`. The speculative modes are served over HTTP too (SmolLM2
+//! drafting for itself; Qwen2.5-Coder 0.5B drafting for 1.5B) with the f16 engine's greedy
+//! text and log-probabilities.
 
 mod common;
 
@@ -14,6 +16,10 @@ use switchyard_request::{Precision, SamplingParams};
 use switchyard_tokenizer::Tokenizer;
 
 const TOKENS: usize = 8;
+/// Log-probabilities of the speculative modes against the f16 engine's: the verifier runs
+/// several positions in one forward, whose f16 products round differently from one-row steps
+/// (measured up to 0.011 on SmolLM2; the tokens are identical).
+const LOGPROB_TOL: f64 = 0.02;
 const PROMPT: &str = "The capital of France is";
 
 fn config() -> String {
@@ -162,7 +168,7 @@ async fn the_router_picks_each_requests_mode_and_shows_why() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn speculative_modes_are_refused_in_the_server_config() {
+async fn speculative_needs_a_draft_and_self_speculative_needs_exit_heads() {
     let toml = format!(
         "{}\n",
         config().replace(r#"modes = ["int8", "q4"]"#, r#"modes = ["speculative"]"#)
@@ -170,8 +176,200 @@ async fn speculative_modes_are_refused_in_the_server_config() {
     let err = switchyard_server::config::Config::parse(&toml)
         .unwrap_err()
         .to_string();
+    assert_eq!(
+        err,
+        "[modeswitch]: the speculative mode needs `draft`, a model with the same tokenizer"
+    );
+
+    let missing = std::env::temp_dir().join("switchyard-no-such-heads.safetensors");
+    let toml = config().replace(
+        r#"modes = ["int8", "q4"]"#,
+        &format!(
+            "modes = [\"self-speculative\"]\nexit_heads = {:?}",
+            missing.display().to_string()
+        ),
+    );
+    let cfg = switchyard_server::config::Config::parse(&toml).expect("parses");
+    let err = switchyard_server::build_state(&cfg)
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
     assert!(
-        err.starts_with("[modeswitch]: the speculative mode decodes one sequence at a time"),
+        err.contains(&format!(
+            "self-speculative needs exit heads: none at {}",
+            missing.display()
+        )),
         "{err}"
+    );
+}
+
+/// Completes `prompt` greedily on `model` for exactly `tokens` tokens (end-of-generation
+/// ignored), streamed or whole; returns the status, the headers, the text and the token
+/// log-probabilities.
+async fn ask(
+    base: &str,
+    model: &str,
+    prompt: &str,
+    tokens: usize,
+    workload: Option<&str>,
+    stream: bool,
+) -> (u16, reqwest::header::HeaderMap, String, Vec<f64>) {
+    let mut r = common::client()
+        .post(format!("{base}/v1/completions"))
+        .header("content-type", "application/json")
+        .body(
+            json!({"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                   "logprobs": 1, "stream": stream, "ignore_eos": true})
+            .to_string(),
+        );
+    if let Some(w) = workload {
+        r = r.header("x-switchyard-workload", w);
+    }
+    let resp = r.send().await.expect("sent");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.text().await.unwrap_or_default();
+    let chunks: Vec<Value> = if stream {
+        body.lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .filter_map(|d| serde_json::from_str(d).ok())
+            .collect()
+    } else {
+        vec![serde_json::from_str(&body).unwrap_or(Value::Null)]
+    };
+    assert_eq!(status, 200, "{body}");
+    let mut text = String::new();
+    let mut logprobs = Vec::new();
+    for c in &chunks {
+        let choice = &c["choices"][0];
+        text.push_str(choice["text"].as_str().unwrap_or_default());
+        if let Some(l) = choice["logprobs"]["token_logprobs"].as_array() {
+            logprobs.extend(l.iter().filter_map(Value::as_f64));
+        }
+    }
+    (status, headers, text, logprobs)
+}
+
+/// Self-speculation (SmolLM2 drafting from its own layer 21) over HTTP: the same greedy text
+/// and log-probabilities as the f16 engine, streamed and whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn self_speculative_requests_are_served_over_http() {
+    use switchyard_exits::heads::model_ref;
+    use switchyard_exits::{file, fingerprint, ExitHead, ExitHeads};
+
+    const DEPTH: usize = 21;
+    const N: usize = 24;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let heads_path = dir.path().join("smollm2.exits.safetensors");
+    {
+        let path = switchyard_zoo::ensure(MODEL).expect("model");
+        let src = switchyard_weights::open(&path).expect("open");
+        let model =
+            switchyard_models::LayeredModel::load(src, &switchyard_models::LoadOptions::default())
+                .expect("load");
+        let fp = fingerprint::fingerprint(&path).expect("fingerprint");
+        let mut meta = ExitHeads::logit_lens(&model, MODEL, &[DEPTH])
+            .expect("lens")
+            .meta()
+            .clone();
+        meta.model = model_ref(&model, MODEL, fp.sha256, fp.bytes);
+        let heads = ExitHeads::new(meta, [(DEPTH, ExitHead::Identity)].into()).expect("heads");
+        file::save(&heads, &heads_path).expect("save");
+    }
+    let toml = format!(
+        r#"[server]
+admin = true
+
+[modeswitch]
+name = "self"
+path = "{MODEL}"
+modes = ["self-speculative"]
+exit_heads = {heads:?}
+draft_depth = {DEPTH}
+mode_budget = "1GiB"
+
+[[router.rules]]
+id = "chat"
+when = {{ workload = ["chat"] }}
+mode = "self-speculative"
+
+[[router.rules]]
+id = "default"
+when = "always"
+mode = "f16"
+"#,
+        heads = heads_path.display().to_string()
+    );
+    let s = start(&toml).await;
+    let prompt = "Once upon a time, in a small village by the sea,";
+    let (_, h, f16_text, f16_lp) = ask(&s.base, "self", prompt, N, None, false).await;
+    assert_eq!(header(&h, "x-switchyard-mode"), "f16");
+    assert_eq!(f16_lp.len(), N);
+    for stream in [false, true] {
+        let (_, h, text, lp) = ask(&s.base, "self", prompt, N, Some("chat"), stream).await;
+        assert_eq!(header(&h, "x-switchyard-mode"), "self-speculative");
+        assert!(
+            header(&h, "x-switchyard-route").starts_with("rule=1:chat"),
+            "{h:?}"
+        );
+        assert_eq!(text, f16_text, "stream: {stream}");
+        assert_eq!(lp.len(), N, "stream: {stream}, text {text:?}");
+        for (a, b) in lp.iter().zip(&f16_lp) {
+            assert!((a - b).abs() < LOGPROB_TOL, "logprobs {lp:?} vs {f16_lp:?}");
+        }
+    }
+}
+
+/// Speculative decoding over HTTP: Qwen2.5-Coder 0.5B drafting for 1.5B, routed by the
+/// default policy's math rule; the greedy text equals the 1.5B f16 engine's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_requests_are_served_over_http() {
+    const N: usize = 16;
+    let toml = r#"[server]
+admin = true
+
+[modeswitch]
+name = "coder"
+path = "qwen2.5-coder-1.5b-instruct"
+modes = ["speculative"]
+draft = "qwen2.5-coder-0.5b-instruct"
+mode_budget = "6GiB"
+memory_budget = "12GiB"
+max_model_len = 512
+"#;
+    let s = start(toml).await;
+    let prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n";
+    // No label: the default rule's int8 is not offered, so f16 serves it.
+    let (_, h, f16_text, f16_lp) = ask(&s.base, "coder", prompt, N, None, false).await;
+    assert_eq!(f16_lp.len(), N);
+    assert_eq!(header(&h, "x-switchyard-mode"), "f16");
+    let (_, h, text, lp) = ask(&s.base, "coder", prompt, N, Some("gsm8k"), true).await;
+    assert_eq!(header(&h, "x-switchyard-mode"), "speculative");
+    assert!(
+        header(&h, "x-switchyard-route").starts_with("rule=5:decode-heavy"),
+        "{h:?}"
+    );
+    assert_eq!(text, f16_text);
+    assert_eq!(lp.len(), N);
+    for (a, b) in lp.iter().zip(&f16_lp) {
+        assert!((a - b).abs() < LOGPROB_TOL, "logprobs {lp:?} vs {f16_lp:?}");
+    }
+
+    // A prompt over max_model_len is refused with the cap in the message.
+    let long = "x ".repeat(600);
+    let resp = common::client()
+        .post(format!("{}/v1/completions", s.base))
+        .header("content-type", "application/json")
+        .body(json!({"model": "coder", "prompt": long, "max_tokens": 4}).to_string())
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(resp.status().as_u16(), 400);
+    let body = resp.text().await.unwrap_or_default();
+    assert!(
+        body.contains("this model's maximum context length is 512 tokens"),
+        "{body}"
     );
 }

@@ -271,6 +271,11 @@ impl Scheduler {
         tokens.div_ceil(self.pool.block_tokens()) * self.depth
     }
 
+    /// Positions a sequence may reach (prompt + output).
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
     /// Queues a request. Refused when the prompt is empty, leaves no room to generate in the
     /// context, or needs more blocks than the whole pool holds (it could never run).
     pub fn add(&mut self, id: RequestId, new: NewSequence) -> Result<()> {
