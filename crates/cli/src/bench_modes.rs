@@ -99,6 +99,10 @@ pub struct BenchRouterArgs {
     /// The matrix `bench modes --json` wrote for the same model (and the same options).
     #[arg(long)]
     matrix: PathBuf,
+    /// Save the learned routers into DIR (`tree.json`, `forest.json`, `logistic.json`), for
+    /// the server's `[modeswitch] learned_router`.
+    #[arg(long, value_name = "DIR")]
+    save_routers: Option<PathBuf>,
     #[command(flatten)]
     modes: BenchModesArgs,
 }
@@ -114,9 +118,16 @@ pub fn run_router(a: BenchRouterArgs, _threads: usize) -> anyhow::Result<()> {
     let assets = assets(&a.modes, &modes)?;
     let opts = options(&a.modes, modes);
     let started = std::time::Instant::now();
-    let r = switchyard_modes::router_bench::run(&assets, &matrix, &opts, |m| {
-        eprintln!("[{:>6.0} s] {m}", started.elapsed().as_secs_f64())
-    })?;
+    if let Some(dir) = &a.save_routers {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let r = switchyard_modes::router_bench::run(
+        &assets,
+        &matrix,
+        &opts,
+        a.save_routers.as_deref(),
+        |m| eprintln!("[{:>6.0} s] {m}", started.elapsed().as_secs_f64()),
+    )?;
     let md = r.markdown();
     eprintln!("{md}");
     if let Some(p) = &a.modes.markdown {

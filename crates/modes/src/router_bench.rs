@@ -180,6 +180,7 @@ pub fn run(
     assets: &ModeAssets,
     matrix_report: &ModesReport,
     opts: &ModesBenchOptions,
+    save_routers: Option<&std::path::Path>,
     mut progress: impl FnMut(&str),
 ) -> Result<RouterReport> {
     let matrix = matrix_of(matrix_report);
@@ -196,6 +197,12 @@ pub fn run(
         let r = LearnedRouter::train(kind, &train, 7)
             .map_err(|e| ModesError::Invalid(e.to_string()))?;
         let acc = r.accuracy(&held);
+        if let Some(dir) = save_routers {
+            let path = dir.join(format!("{}.json", kind.name()));
+            r.save(&path)
+                .map_err(|e| ModesError::Invalid(e.to_string()))?;
+            progress(&format!("wrote {}", path.display()));
+        }
         routers.push((Box::new(r), Some(acc)));
     }
     routers.push((

@@ -48,6 +48,9 @@ pub enum RouterError {
     /// The learning library refused the data.
     #[error("learned router ({kind}): training failed: {message}")]
     Training { kind: &'static str, message: String },
+    /// A saved learned router cannot be read or written, or is not one this build can use.
+    #[error("learned router file {path}: {reason}")]
+    RouterFile { path: String, reason: String },
 }
 
 pub type Result<T> = std::result::Result<T, RouterError>;

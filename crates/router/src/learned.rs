@@ -2,6 +2,8 @@
 //! random forest and a logistic regression (smartcore), trained on (features, oracle mode)
 //! pairs. The paper found they do not beat the rules; they are here to measure that claim.
 
+use std::path::Path;
+
 use serde::{Deserialize, Serialize};
 use smartcore::ensemble::random_forest_classifier::{
     RandomForestClassifier, RandomForestClassifierParameters,
@@ -15,7 +17,7 @@ use switchyard_request::Mode;
 
 use crate::decision::{Decision, ModeSet, Router};
 use crate::error::{Result, RouterError};
-use crate::features::{RequestFeatures, FEATURE_COUNT};
+use crate::features::{RequestFeatures, FEATURE_COUNT, FEATURE_NAMES};
 use crate::rules::RuleConfig;
 
 /// Trees in the random forest (smartcore's default is 100; 50 already votes stably on the
@@ -83,7 +85,7 @@ type Matrix = DenseMatrix<f64>;
 type Labels = Vec<u32>;
 
 /// Per-column mean and standard deviation of the training features.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Standardizer {
     pub means: [f64; FEATURE_COUNT],
     pub stds: [f64; FEATURE_COUNT],
@@ -119,7 +121,8 @@ impl Standardizer {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 enum Model {
     /// Every training example had the same mode (the learners need two classes).
     Constant(Mode),
@@ -129,6 +132,18 @@ enum Model {
         LogisticRegression<f64, u32, Matrix, Labels>,
         Box<Standardizer>,
     ),
+}
+
+/// Version of the file [`LearnedRouter::save`] writes.
+pub const ROUTER_FILE_VERSION: u32 = 1;
+
+/// A saved router.
+#[derive(Serialize, Deserialize)]
+struct RouterFile<M> {
+    format_version: u32,
+    kind: LearnedKind,
+    features: Vec<String>,
+    model: M,
 }
 
 /// A trained imitation of the oracle.
@@ -243,6 +258,52 @@ impl LearnedRouter {
         };
         let index = *predicted.ok()?.first()?;
         Mode::ALL.get(index as usize).copied()
+    }
+
+    /// Writes the router as JSON: the learner, the feature names it was trained on, and the
+    /// fitted model (smartcore's own serialisation).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let file = RouterFile {
+            format_version: ROUTER_FILE_VERSION,
+            kind: self.kind,
+            features: FEATURE_NAMES.iter().map(|s| s.to_string()).collect(),
+            model: &self.model,
+        };
+        let bad = |reason: String| RouterError::RouterFile {
+            path: path.display().to_string(),
+            reason,
+        };
+        let text = serde_json::to_string(&file).map_err(|e| bad(e.to_string()))?;
+        std::fs::write(path, text).map_err(|e| bad(e.to_string()))
+    }
+
+    /// Reads a router [`LearnedRouter::save`] wrote; refuses files of another format version
+    /// or trained on other features.
+    pub fn load(path: &Path) -> Result<LearnedRouter> {
+        let bad = |reason: String| RouterError::RouterFile {
+            path: path.display().to_string(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+        let file: RouterFile<Model> =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not a learned router: {e}")))?;
+        if file.format_version != ROUTER_FILE_VERSION {
+            return Err(bad(format!(
+                "format version {} (this build reads {ROUTER_FILE_VERSION})",
+                file.format_version
+            )));
+        }
+        if file.features != FEATURE_NAMES {
+            return Err(bad(format!(
+                "trained on features {:?}; this build computes {:?}",
+                file.features, FEATURE_NAMES
+            )));
+        }
+        Ok(LearnedRouter {
+            kind: file.kind,
+            model: file.model,
+            classifier: RuleConfig::default(),
+        })
     }
 
     /// Share of `data` whose mode the router reproduces (0 for no data).

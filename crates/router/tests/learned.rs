@@ -133,3 +133,63 @@ fn degenerate_training_sets() {
         assert_eq!(router.accuracy(&[]), 0.0);
     }
 }
+
+#[test]
+fn saved_routers_reload_with_the_same_decisions() {
+    let (train, test) = datasets();
+    let dir = tempfile::tempdir().unwrap();
+    for kind in LearnedKind::ALL {
+        let router = LearnedRouter::train(kind, &train, MODEL_SEED).unwrap();
+        let path = dir.path().join(format!("{}.json", kind.name()));
+        router.save(&path).unwrap();
+        let loaded = LearnedRouter::load(&path).unwrap();
+        assert_eq!(loaded.kind(), kind);
+        assert_eq!(loaded.name(), kind.name());
+        for (f, _) in &test {
+            assert_eq!(loaded.predict(f), router.predict(f), "{kind:?}");
+        }
+        assert_eq!(loaded.accuracy(&test), router.accuracy(&test));
+        assert_eq!(loaded.standardizer(), router.standardizer());
+    }
+}
+
+#[test]
+fn router_files_that_cannot_be_used_are_refused() {
+    let (train, _) = datasets();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tree.json");
+    LearnedRouter::train(LearnedKind::Tree, &train, MODEL_SEED)
+        .unwrap()
+        .save(&path)
+        .unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let shown = path.display().to_string();
+    let err = |text: &str| {
+        std::fs::write(&path, text).unwrap();
+        LearnedRouter::load(&path).unwrap_err().to_string()
+    };
+
+    let truncated = err(&text[..text.len() / 2]);
+    assert!(
+        truncated.starts_with(&format!(
+            "learned router file {shown}: not a learned router: "
+        )),
+        "{truncated}"
+    );
+    assert_eq!(
+        err(&text.replacen("\"format_version\":1", "\"format_version\":9", 1)),
+        format!("learned router file {shown}: format version 9 (this build reads 1)")
+    );
+    let other_features = err(&text.replacen("\"prompt_tokens\"", "\"prompt_chars\"", 1));
+    assert!(
+        other_features.starts_with(&format!(
+            "learned router file {shown}: trained on features [\"prompt_chars\""
+        )),
+        "{other_features}"
+    );
+    let missing = dir.path().join("none.json");
+    assert!(LearnedRouter::load(&missing)
+        .unwrap_err()
+        .to_string()
+        .starts_with(&format!("learned router file {}: ", missing.display())));
+}

@@ -54,6 +54,7 @@ pub struct Config {
 /// memory_budget = "3GiB"    # all loaded modes together; least recently used are evicted
 /// # draft = "qwen2.5-coder-0.5b-instruct"  # `speculative`: a draft with the same tokenizer
 /// # exit_heads = "model.exits.safetensors" # `self-speculative` (default: beside the model)
+/// # learned_router = "routers/tree.json"    # instead of the [router] rules
 /// ```
 ///
 /// Speculative modes decode one request at a time (queued in arrival order); `q4-awq` is
@@ -79,6 +80,9 @@ pub struct ModeSwitchSection {
     /// Longest sequence (prompt + output) served, below the model's context (vLLM's
     /// `max_model_len`): modes without chunked prefill size their workspace for it.
     pub max_model_len: Option<usize>,
+    /// Route with a learned router (a file `switchyard bench router --save-routers` wrote)
+    /// instead of the rule policy.
+    pub learned_router: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]

@@ -30,7 +30,9 @@ use switchyard_engine::EngineRequest;
 use switchyard_modes::awq::AwqCalibration;
 use switchyard_modes::serve::{ModeAssets, ModeServer, DEFAULT_SPEC_K};
 use switchyard_request::Mode;
-use switchyard_router::{Decision, ModeSet, Policy, RequestFeatures, Router, RulesRouter};
+use switchyard_router::{
+    Decision, LearnedRouter, ModeSet, Policy, RequestFeatures, Router, RulesRouter,
+};
 use switchyard_tokenizer::Tokenizer;
 
 use crate::config::ModeSwitchSection;
@@ -109,7 +111,7 @@ pub struct ModeSwitchModel {
     pub name: String,
     assets: ModeAssets,
     offered: ModeSet,
-    router: RulesRouter,
+    router: Box<dyn Router>,
     mode_budget: u64,
     total_budget: u64,
     /// f16: tokenizes and validates every request, and serves fallbacks.
@@ -186,6 +188,15 @@ impl ModeSwitchModel {
         } else {
             None
         };
+        let router: Box<dyn Router> = match &section.learned_router {
+            Some(p) => {
+                let r =
+                    LearnedRouter::load(p).map_err(|e| invalid(format!("[modeswitch]: {e}")))?;
+                tracing::info!(model = %section.name, router = %r.name(), file = %p.display(), "routing with a learned router");
+                Box::new(r)
+            }
+            None => Box::new(RulesRouter::new(policy)),
+        };
         let assets = ModeAssets {
             name: section.name.clone(),
             source,
@@ -201,7 +212,7 @@ impl ModeSwitchModel {
             name: section.name.clone(),
             assets,
             offered,
-            router: RulesRouter::new(policy),
+            router,
             mode_budget,
             total_budget,
             engines: tokio::sync::Mutex::new(vec![Loaded {

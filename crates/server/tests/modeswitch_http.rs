@@ -373,3 +373,72 @@ max_model_len = 512
         "{body}"
     );
 }
+
+/// A learned router saved by `bench router --save-routers` routes instead of the rules: here a
+/// decision tree trained to send synthetic-shape traffic to q4 and everything else to int8.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saved_learned_router_routes_requests() {
+    use switchyard_router::{LearnedKind, LearnedRouter, Mode, RequestFeatures};
+
+    let mut examples = Vec::new();
+    for (i, label) in [Some("SS"), Some("LL"), None, Some("chat"), Some("mmlu")]
+        .into_iter()
+        .enumerate()
+    {
+        for n in 0..20 {
+            let f = RequestFeatures {
+                prompt_tokens: 4 + 13 * n + i,
+                max_output_tokens: 8 + n,
+                workload: label.map(str::to_string),
+                ..RequestFeatures::default()
+            };
+            let mode = if label.is_some_and(|l| l.len() == 2) {
+                Mode::Q4
+            } else {
+                Mode::Int8
+            };
+            examples.push((f, mode));
+        }
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tree.json");
+    LearnedRouter::train(LearnedKind::Tree, &examples, 3)
+        .expect("train")
+        .save(&path)
+        .expect("save");
+
+    let toml = config().replace(
+        "mode_budget = \"1GiB\"",
+        &format!(
+            "mode_budget = \"1GiB\"\nlearned_router = {:?}",
+            path.display().to_string()
+        ),
+    );
+    let s = start(&toml).await;
+    let (st, h, body) = complete(&s.base, Some("SS")).await;
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(header(&h, "x-switchyard-mode"), "q4");
+    assert!(
+        header(&h, "x-switchyard-route").starts_with("rule=tree;"),
+        "{h:?}"
+    );
+    let (st, h, body) = complete(&s.base, None).await;
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(header(&h, "x-switchyard-mode"), "int8");
+
+    // A file that is not a router stops start-up with the file named.
+    std::fs::write(&path, "{}").expect("write");
+    let cfg = switchyard_server::config::Config::parse(&toml).expect("parses");
+    let err = switchyard_server::build_state(&cfg)
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains(&format!(
+            "[modeswitch]: learned router file {}: not a learned router",
+            path.display()
+        )),
+        "{err}"
+    );
+}
