@@ -18,6 +18,7 @@
 
 pub mod core;
 pub mod exit;
+pub mod external;
 pub mod generate;
 pub mod handle;
 pub mod kv;
@@ -34,6 +35,7 @@ pub use crate::core::{
     ExitProbe, MemoryStats, StepResult, TokenOutput, DEFAULT_MEMORY_BUDGET,
 };
 pub use exit::{ExitHead, LogitLens};
+pub use external::RequestBackend;
 pub use generate::{generate, Generation, GenerationTiming};
 pub use handle::{EngineHandle, EngineInfo, Pending, RequestStream};
 pub use kv::KvFormat;

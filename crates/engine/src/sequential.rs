@@ -141,7 +141,7 @@ impl Sequential {
                 while let Ok(c) = rx.try_recv() {
                     match c {
                         Command::Stats { reply } => {
-                            let _ = reply.send(Ok(stats_of(&shape, true, waiting + pending.len())));
+                            let _ = reply.send(Ok(stats_of(&shape, 1, waiting + pending.len())));
                         }
                         c => pending.push(c),
                     }
@@ -242,7 +242,7 @@ impl Sequential {
             Command::Stats { reply } => {
                 let _ = reply.send(Ok(stats_of(
                     &self.shape,
-                    self.running.is_some(),
+                    usize::from(self.running.is_some()),
                     self.queue.len(),
                 )));
             }
@@ -254,15 +254,16 @@ impl Sequential {
     }
 }
 
-/// What the decoder's statistics are made of.
+/// What the statistics of an engine without a KV pool are made of.
 #[derive(Debug, Clone, Copy)]
-struct Shape {
-    n_layers: usize,
-    memory_budget: u64,
-    weights_bytes: u64,
+pub(crate) struct Shape {
+    pub n_layers: usize,
+    pub memory_budget: u64,
+    pub weights_bytes: u64,
 }
 
-fn stats_of(shape: &Shape, running: bool, waiting: usize) -> EngineStats {
+/// Statistics of an engine without a KV pool: its weights, and requests running or waiting.
+pub(crate) fn stats_of(shape: &Shape, running: usize, waiting: usize) -> EngineStats {
     let weights = shape.weights_bytes;
     EngineStats {
         memory: MemoryStats {
@@ -284,7 +285,7 @@ fn stats_of(shape: &Shape, running: bool, waiting: usize) -> EngineStats {
         depth: shape.n_layers,
         n_layers: shape.n_layers,
         resident_layers: shape.n_layers,
-        running: usize::from(running),
+        running,
         waiting,
         counters: Default::default(),
         prefix_cache_hit_tokens: 0,

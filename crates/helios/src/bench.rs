@@ -172,6 +172,8 @@ pub fn entry_without_telemetry(name: &str) -> Result<ModelEntry> {
         path: Some(name.to_string()),
         url: None,
         remote_model: None,
+        tokenizer: None,
+        context_length: None,
         size_bytes: size,
         layers: n,
         exit_layers: exits,

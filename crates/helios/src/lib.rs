@@ -28,6 +28,7 @@ pub mod orchestrator;
 pub mod pht;
 pub mod policy;
 pub mod profile;
+pub mod remote;
 
 pub use manifest::{DepthTelemetry, Manifest, ModelEntry, Source};
 pub use pht::{ExitHistogram, Pht, PhtRow};

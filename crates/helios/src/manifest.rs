@@ -27,6 +27,8 @@
 //! name = "big-remote"
 //! url = "http://10.0.0.7:8000"      # any OpenAI-compatible server
 //! remote_model = "meta-llama/Llama-3.1-8B-Instruct"
+//! tokenizer = "/models/llama-3.1-8b-instruct"  # a local copy of its tokenizer
+//! context_length = 8192
 //! size_bytes = 16000000000
 //! layers = 32
 //!
@@ -129,6 +131,14 @@ pub struct ModelEntry {
     /// The model's name on the remote server (default: `name`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_model: Option<String>,
+    /// A remote model's tokenizer, as a local zoo name, GGUF file or folder: prompts are
+    /// tokenized here and sent as token ids. Needed to serve the model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
+    /// A remote model's context length (prompt + output), when it is smaller than the
+    /// tokenizer's model states or unknown to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context_length: Option<usize>,
     /// Bytes of the model file(s).
     pub size_bytes: u64,
     pub layers: usize,
@@ -200,6 +210,11 @@ impl ModelEntry {
         }
         if self.url.is_none() && self.remote_model.is_some() {
             return Err("`remote_model` needs `url`".into());
+        }
+        if self.url.is_none() && (self.tokenizer.is_some() || self.context_length.is_some()) {
+            return Err(
+                "`tokenizer` and `context_length` describe a remote model; they need `url`".into(),
+            );
         }
         if let Some(url) = &self.url {
             if !(url.starts_with("http://") || url.starts_with("https://")) {

@@ -227,6 +227,8 @@ pub fn profile(
         path: target.path.map(str::to_string),
         url: None,
         remote_model: None,
+        tokenizer: None,
+        context_length: None,
         size_bytes: target.size_bytes,
         layers: n_layers,
         exit_layers: opts

@@ -97,6 +97,8 @@ fn entry(name: &str) -> ModelEntry {
         path: None,
         url: None,
         remote_model: None,
+        tokenizer: None,
+        context_length: None,
         size_bytes: size,
         layers,
         exit_layers: vec![exit],

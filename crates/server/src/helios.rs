@@ -1,6 +1,7 @@
 //! The HELIOS orchestrator as one served model: its candidate engines started from the
-//! repository manifest, each inside an equal share of the memory budget, and requests turned
-//! into orchestrator requests (text or chat, tokenized by whichever candidate serves them).
+//! repository manifest, each local one inside an equal share of the memory budget, each
+//! remote one streaming from its server, and requests turned into orchestrator requests (text
+//! or chat, tokenized by whichever candidate serves them).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -84,6 +85,14 @@ impl HeliosModel {
             let eog = switchyard_engine::end_of_generation_tokens(&tokenizer);
             let core = EngineCore::with_exit(model, Box::new(heads), eog, cfg)?;
             let handle = EngineHandle::spawn(core, tokenizer, &m.name)?;
+            engines.push(CandidateEngine {
+                name: m.name.clone(),
+                handle,
+            });
+        }
+        // Remote candidates stream from their servers and take no local memory.
+        for m in repo.models().iter().filter(|m| m.is_remote()) {
+            let handle = switchyard_helios::remote::remote_candidate(m).map_err(helios_err)?;
             engines.push(CandidateEngine {
                 name: m.name.clone(),
                 handle,

@@ -367,7 +367,10 @@ async fn full_response(
     );
     let (completion_lp, chat_lp) = match (req.logprobs, req.endpoint) {
         (false, _) => (None, None),
-        (true, Endpoint::Completions) => (Some(completion_logprobs(model, &ids, &lps, 0)), None),
+        (true, Endpoint::Completions) => (
+            Some(completion_logprobs(model, &ids, &lps, 0, req.tokens_as_ids)),
+            None,
+        ),
         (true, Endpoint::Chat) => (None, Some(chat_logprobs(model, &ids, &lps))),
     };
     let resp = one_choice_response(req, id, text, finish, usage, completion_lp, chat_lp);
@@ -394,16 +397,22 @@ fn completion_logprobs(
     ids: &[u32],
     lps: &[f32],
     offset: usize,
+    tokens_as_ids: bool,
 ) -> CompletionLogprobs {
     let mut out = CompletionLogprobs::default();
     let mut at = offset;
     for (&id, &lp) in ids.iter().zip(lps) {
         let piece = model.piece(id);
+        let name = if tokens_as_ids {
+            format!("token_id:{id}")
+        } else {
+            piece.clone()
+        };
         let mut top = serde_json::Map::new();
-        top.insert(piece.clone(), json!(lp));
+        top.insert(name.clone(), json!(lp));
         out.text_offset.push(at);
         at += piece.len();
-        out.tokens.push(piece);
+        out.tokens.push(name);
         out.token_logprobs.push(lp);
         out.top_logprobs.push(top);
     }
@@ -680,11 +689,15 @@ fn chunk(st: &mut StreamState, o: &RequestOutput) -> Event {
     let finish = o.finish_reason.map(finish_str).map(str::to_string);
     match st.req.endpoint {
         Endpoint::Completions => {
-            let logprobs = st
-                .upstream
-                .local()
-                .filter(|_| st.req.logprobs)
-                .map(|m| completion_logprobs(m, &o.token_ids, &o.logprobs, st.offset));
+            let logprobs = st.upstream.local().filter(|_| st.req.logprobs).map(|m| {
+                completion_logprobs(
+                    m,
+                    &o.token_ids,
+                    &o.logprobs,
+                    st.offset,
+                    st.req.tokens_as_ids,
+                )
+            });
             st.offset += o.text.len();
             json_event(&CompletionResponse {
                 id: st.id.clone(),

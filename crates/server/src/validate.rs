@@ -56,6 +56,9 @@ pub struct ValidRequest {
     pub stream: bool,
     pub include_usage: bool,
     pub logprobs: bool,
+    /// vLLM's `return_tokens_as_token_ids`: log-probability listings name each token as
+    /// `token_id:<id>` instead of its text, so a client can recover the exact ids.
+    pub tokens_as_ids: bool,
     /// The body as sent (forwarded as is to remote backends).
     pub raw: Value,
 }
@@ -243,6 +246,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
         }
     };
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
+    let tokens_as_ids = f.bool("return_tokens_as_token_ids")?.unwrap_or(false);
 
     let params = SamplingParams {
         max_tokens: max_tokens.unwrap_or(1),
@@ -266,6 +270,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
         stream,
         include_usage,
         logprobs,
+        tokens_as_ids,
         raw,
     })
 }

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{post, start, MODEL};
+use common::{post, served_by, start, HELIOS_LOCAL_ENTRY, MODEL};
 use serde_json::{json, Value};
 
 const JSON: &str = "application/json";
@@ -19,25 +19,7 @@ fn manifest() -> tempfile::TempDir {
     let toml = format!(
         r#"version = 1
 
-[[model]]
-name = "{MODEL}"
-size_bytes = 98362432
-layers = 30
-exit_layers = [25]
-exit_heads = "logit-lens"
-
-[[model.depth]]
-depth = 25
-tokens_per_s = 66.0
-bits_per_byte = 1.6
-memory_bytes = 82000000
-
-[[model.depth]]
-depth = 30
-tokens_per_s = 55.0
-bits_per_byte = 1.1
-memory_bytes = 98362432
-"#
+{HELIOS_LOCAL_ENTRY}"#
     );
     std::fs::write(dir.path().join("models.toml"), toml).expect("write manifest");
     dir
@@ -66,12 +48,6 @@ fn request(stream: bool) -> Value {
         r["stream_options"] = json!({"include_usage": true});
     }
     r
-}
-
-fn served_by(headers: &reqwest::header::HeaderMap) -> Option<&str> {
-    headers
-        .get("x-switchyard-served-by")
-        .and_then(|v| v.to_str().ok())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -29,8 +29,9 @@
 //! them, so the sum of the shares bounds the whole.
 //!
 //! The orchestrator is an actor: one thread owns the PHT, the counters and the engines'
-//! request streams; [`Orchestrator`] is its cloneable handle. Remote candidates of the
-//! repository are not served by it (only local engines are given to it).
+//! request streams; [`Orchestrator`] is its cloneable handle. Remote candidates come to it as
+//! engine handles too ([`crate::remote`]): full depth only, no local memory, no layer loads,
+//! and each token's probability as its confidence.
 
 mod actor;
 pub mod measure;

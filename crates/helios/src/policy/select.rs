@@ -228,6 +228,8 @@ pub(crate) mod tests {
             path: None,
             url: None,
             remote_model: None,
+            tokenizer: None,
+            context_length: None,
             size_bytes: base + layers as u64 * per_layer,
             layers,
             exit_layers: exits,

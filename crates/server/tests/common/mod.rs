@@ -8,6 +8,35 @@ use switchyard_server::state::AppState;
 
 pub const MODEL: &str = "smollm2-135m-instruct";
 
+/// The test model as a HELIOS repository entry: an exit at layer 25 of 30 through the logit
+/// lens, with telemetry of the right order for this machine.
+pub const HELIOS_LOCAL_ENTRY: &str = r#"[[model]]
+name = "smollm2-135m-instruct"
+size_bytes = 98362432
+layers = 30
+exit_layers = [25]
+exit_heads = "logit-lens"
+
+[[model.depth]]
+depth = 25
+tokens_per_s = 66.0
+bits_per_byte = 1.6
+memory_bytes = 82000000
+
+[[model.depth]]
+depth = 30
+tokens_per_s = 55.0
+bits_per_byte = 1.1
+memory_bytes = 98362432
+"#;
+
+/// The candidate a HELIOS response names in `x-switchyard-served-by`.
+pub fn served_by(headers: &reqwest::header::HeaderMap) -> Option<&str> {
+    headers
+        .get("x-switchyard-served-by")
+        .and_then(|v| v.to_str().ok())
+}
+
 pub struct TestServer {
     pub base: String,
     pub state: Arc<AppState>,

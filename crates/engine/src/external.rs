@@ -1,0 +1,88 @@
+//! An engine handle over a backend that serves requests by itself, such as a remote
+//! OpenAI-compatible server: the handle's protocol stays the same, so a controller that drives
+//! local engines (HELIOS) can drive it too.
+//!
+//! Such a backend serves at its full depth only: loading layers succeeds with nothing to load,
+//! dropping layers frees nothing locally, a depth other than the full one is refused, and
+//! exit probes are ignored (its outputs report no probed exit).
+
+use std::sync::mpsc;
+use std::time::Instant;
+
+use crate::core::EngineRequest;
+use crate::handle::{Command, EngineHandle, EngineInfo};
+use crate::output::OutputSink;
+use crate::residency::LoadReport;
+use crate::sequential::{stats_of, Shape};
+use crate::{EngineError, RequestId, Result};
+
+/// Something that serves requests on its own threads.
+pub trait RequestBackend: Send + 'static {
+    /// Begins serving `request`. Its outputs go to `sink`, the last one with a finish reason
+    /// (or an error); a closed sink means the client went away and the request should end.
+    fn start(&mut self, id: RequestId, request: EngineRequest, arrival: Instant, sink: OutputSink);
+
+    /// Ends `id` early; its last output then has `FinishReason::Abort`.
+    fn abort(&mut self, id: RequestId);
+
+    /// Ends every request.
+    fn abort_all(&mut self);
+
+    /// Requests in flight.
+    fn running(&self) -> usize;
+}
+
+impl EngineHandle {
+    /// Serves `backend` behind an engine handle; `info.n_layers` is its only depth.
+    pub fn spawn_backend(backend: Box<dyn RequestBackend>, info: EngineInfo) -> Result<Self> {
+        let (tx, rx) = mpsc::channel();
+        let shape = Shape {
+            n_layers: info.n_layers,
+            memory_budget: 0,
+            weights_bytes: 0,
+        };
+        std::thread::Builder::new()
+            .name("switchyard-backend".into())
+            .spawn(move || serve(backend, shape, &rx))
+            .map_err(|e| EngineError::BadConfig(format!("cannot start the backend thread: {e}")))?;
+        Ok(Self::over(tx, info))
+    }
+}
+
+fn serve(mut backend: Box<dyn RequestBackend>, shape: Shape, rx: &mpsc::Receiver<Command>) {
+    while let Ok(c) = rx.recv() {
+        match c {
+            Command::Add {
+                id,
+                request,
+                arrival,
+                sink,
+            } => backend.start(id, request, arrival, sink),
+            Command::Abort { id } => backend.abort(id),
+            Command::SetDepth { depth, reply } => {
+                let _ = reply.send(if depth == shape.n_layers {
+                    Ok(())
+                } else {
+                    Err(EngineError::BadConfig(format!(
+                        "this backend serves at its full depth ({}) only, not {depth}",
+                        shape.n_layers
+                    )))
+                });
+            }
+            Command::LoadLayers { reply, .. } | Command::DropLayers { reply, .. } => {
+                let _ = reply.send(Ok(LoadReport::default()));
+            }
+            Command::SetProbe { .. } => {}
+            Command::Stats { reply } => {
+                let _ = reply.send(Ok(stats_of(&shape, backend.running(), 0)));
+            }
+            Command::Shutdown { reply } => {
+                backend.abort_all();
+                drop(backend);
+                let _ = reply.send(Ok(()));
+                return;
+            }
+        }
+    }
+    backend.abort_all();
+}

@@ -1,0 +1,177 @@
+//! A remote OpenAI-compatible server as a HELIOS candidate: a second Switchyard server serves
+//! SmolLM2-135M over HTTP, and the HELIOS model's repository lists it (by URL, with a local
+//! copy of its tokenizer) beside the same model run locally with an exit at layer 25. The
+//! online evaluation serves real requests on both; the remote answers equal the model's own
+//! greedy answer, and its PHT row has its measured throughput, bits per byte and every token
+//! at full depth.
+
+mod common;
+
+use common::{post, served_by, start, HELIOS_LOCAL_ENTRY, MODEL};
+use serde_json::{json, Value};
+
+const JSON: &str = "application/json";
+const TOKENS: u64 = 8;
+const REMOTE: &str = "smollm2-remote";
+
+/// The repository: the remote candidate (listed as faster, so it is evaluated first) and the
+/// local one.
+fn manifest(dir: &tempfile::TempDir, url: &str) -> std::path::PathBuf {
+    let toml = format!(
+        r#"version = 1
+
+[[model]]
+name = "{REMOTE}"
+url = "{url}"
+remote_model = "{MODEL}"
+tokenizer = "{MODEL}"
+context_length = 8192
+size_bytes = 98362432
+layers = 30
+
+[[model.depth]]
+depth = 30
+tokens_per_s = 80.0
+bits_per_byte = 1.1
+
+{HELIOS_LOCAL_ENTRY}"#
+    );
+    let path = dir.path().join("models.toml");
+    std::fs::write(&path, toml).expect("write manifest");
+    path
+}
+
+fn config(manifest: &std::path::Path) -> String {
+    format!(
+        r#"[server]
+admin = true
+
+[helios]
+name = "helios"
+manifest = "{}"
+memory_budget = "512MiB"
+policy = {{ eval_requests = 1, top_k = 2, threshold = 0.5 }}
+"#,
+        manifest.display()
+    )
+}
+
+fn request(model: &str) -> String {
+    json!({"model": model, "prompt": "The capital of France is",
+           "max_tokens": TOKENS, "temperature": 0})
+    .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_server_is_a_helios_candidate() {
+    // The remote side: a plain server of the test model.
+    let remote = start("").await;
+    let (st, _, direct) = post(&remote.base, "/v1/completions", request(MODEL), JSON, None).await;
+    assert_eq!(st, 200, "{direct}");
+    let direct_text = direct["choices"][0]["text"].as_str().unwrap_or_default();
+    assert_eq!(direct["usage"]["completion_tokens"], TOKENS);
+
+    // vLLM's `return_tokens_as_token_ids`, which the remote candidate asks for: each listed
+    // token is `token_id:<id>`, and the ids decode to the text.
+    let mut body: Value = serde_json::from_str(&request(MODEL)).expect("json");
+    body["logprobs"] = json!(1);
+    body["return_tokens_as_token_ids"] = json!(true);
+    let (st, _, listed) = post(
+        &remote.base,
+        "/v1/completions",
+        body.to_string(),
+        JSON,
+        None,
+    )
+    .await;
+    assert_eq!(st, 200, "{listed}");
+    let ids: Vec<u32> = listed["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|t| t.as_str()?.strip_prefix("token_id:")?.parse().ok())
+        .collect();
+    assert_eq!(ids.len() as u64, TOKENS, "{listed}");
+    let path = switchyard_zoo::ensure(MODEL).expect("model");
+    let src = switchyard_weights::open(&path).expect("open");
+    let tok = switchyard_tokenizer::Tokenizer::from_source(&*src).expect("tokenizer");
+    assert_eq!(tok.decode(&ids, false).expect("decode"), direct_text);
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let s = start(&config(&manifest(&dir, &remote.base))).await;
+
+    // Evaluation, first block: the remote candidate answers.
+    let (st, headers, first) =
+        post(&s.base, "/v1/completions", request("helios"), JSON, None).await;
+    assert_eq!(st, 200, "{first}");
+    assert_eq!(served_by(&headers), Some(REMOTE));
+    assert_eq!(first["choices"][0]["text"].as_str(), Some(direct_text));
+    assert_eq!(first["usage"]["completion_tokens"], TOKENS);
+
+    // Second block: the local candidate, the same greedy answer.
+    let (st, headers, second) =
+        post(&s.base, "/v1/completions", request("helios"), JSON, None).await;
+    assert_eq!(st, 200, "{second}");
+    assert_eq!(served_by(&headers), Some(MODEL));
+    assert_eq!(second["choices"][0]["text"].as_str(), Some(direct_text));
+
+    // Both rows are in the PHT; the remote one at full depth, measured.
+    let pht: Value = common::client()
+        .get(format!("{}/admin/pht", s.base))
+        .send()
+        .await
+        .expect("sent")
+        .json()
+        .await
+        .expect("PHT is JSON");
+    let rows = pht["rows"].as_array().cloned().unwrap_or_default();
+    let row = rows
+        .iter()
+        .find(|r| r["m"] == REMOTE)
+        .unwrap_or_else(|| panic!("no remote row: {pht}"));
+    assert_eq!(row["d"], 30);
+    assert!(row["tps"].as_f64().unwrap_or(0.0) > 0.0, "{pht}");
+    assert!(row["bpb"].as_f64().unwrap_or(0.0) > 0.0, "{pht}");
+    assert_eq!(row["h"], json!([[30, TOKENS]]), "{pht}");
+    assert!(rows.iter().any(|r| r["m"] == MODEL), "{pht}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_candidate_without_a_tokenizer_or_server_is_reported() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // No tokenizer: start-up says what is missing.
+    let path = manifest(&dir, "http://127.0.0.1:9");
+    let text = std::fs::read_to_string(&path).expect("manifest");
+    std::fs::write(
+        &path,
+        text.replace(&format!("tokenizer = \"{MODEL}\"\n"), ""),
+    )
+    .expect("write");
+    let cfg = switchyard_server::config::Config::parse(&config(&path)).expect("config");
+    let err = switchyard_server::build_state(&cfg)
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains(&format!(
+            "remote candidate {REMOTE}: the manifest needs `tokenizer`"
+        )),
+        "{err}"
+    );
+
+    // A server that is not there: the request evaluated on it fails with the URL named, and
+    // the server goes on.
+    manifest(&dir, "http://127.0.0.1:9");
+    let s = start(&config(&path)).await;
+    let (st, _, body) = post(&s.base, "/v1/completions", request("helios"), JSON, None).await;
+    assert!(st >= 500, "{st} {body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("remote http://127.0.0.1:9/v1/completions"),
+        "{body}"
+    );
+    let (st, _, _) = post(&s.base, "/v1/completions", request(MODEL), JSON, None).await;
+    assert_eq!(st, 200);
+}
