@@ -15,6 +15,7 @@ use switchyard_exits::calibrate::{
 use switchyard_exits::corpus::{Corpus, Split};
 use switchyard_exits::heads::model_ref;
 use switchyard_exits::study::{self, PairReport, StudyModel, StudyReport};
+use switchyard_exits::tune::cost::CheckCost;
 use switchyard_exits::{file, fingerprint, ConfidenceMeasure, ExitHeads, ExitPolicy, KvFix};
 use switchyard_models::LoadOptions;
 use switchyard_request::SamplingParams;
@@ -213,7 +214,8 @@ pub struct EvalExitsArgs {
     plot: Option<PathBuf>,
     /// Also score these heads files (e.g. `ee-tune` output) side by side with the logit lens
     /// on held-out rows of --file: agreement, KL, bits per byte, ECE, exitable share at
-    /// 85/90/95% precision, AUROCs and the exit check's cost. Repeatable.
+    /// 85/90/95% precision, AUROCs, the exit check's cost, and the measured time of a batch-1
+    /// decode step to each exit with its check next to the full-depth step. Repeatable.
     #[arg(long = "head", value_name = "FILE")]
     head_files: Vec<PathBuf>,
     /// Write the result as JSON to FILE (stdout when omitted).
@@ -235,7 +237,9 @@ struct HeadsComparison {
     files: Vec<String>,
     full_depth_bits_per_byte: f64,
     rows: Vec<switchyard_exits::tune::eval::HeadScores>,
-    check_costs: Vec<switchyard_exits::tune::run::CheckCost>,
+    /// Per head: its exit check alone, a decode step to its exit with the check, and the
+    /// full-depth step (milliseconds at batch 1).
+    check_costs: Vec<CheckCost>,
 }
 
 impl HeadsComparison {
@@ -252,13 +256,10 @@ impl HeadsComparison {
             self.full_depth_bits_per_byte,
         ));
         if !self.check_costs.is_empty() {
-            let _ = writeln!(s, "\n| depth | exit check, vocabulary head (ms) | exit check, probe (ms) |\n|---|---|---|");
+            s.push('\n');
+            s.push_str(&CheckCost::table_header(&[]));
             for c in &self.check_costs {
-                let _ = writeln!(
-                    s,
-                    "| {} | {:.3} | {:.3} |",
-                    c.depth, c.head_check_ms, c.probe_check_ms
-                );
+                let _ = writeln!(s, "{}|", c.cells());
             }
         }
         s

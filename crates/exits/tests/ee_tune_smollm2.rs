@@ -99,9 +99,21 @@ fn tune(
     }
     let trained: Vec<_> = report.rows.iter().filter(|r| r.head == "mlp").collect();
     assert!(trained.iter().all(|r| r.auroc_probe.is_some()));
+    // Every exit's wall time is recorded, and together they fit in the run's.
+    let per_exit: Vec<f64> = report.loss_curves.iter().map(|c| c.seconds).collect();
+    assert_eq!(per_exit.len(), DEPTHS.len());
+    assert!(per_exit.iter().all(|&s| s > 0.0), "{per_exit:?}");
+    assert!(
+        per_exit.iter().sum::<f64>() <= report.seconds,
+        "{per_exit:?}"
+    );
     // The probe's check is far cheaper than the vocabulary head's.
+    assert_eq!(report.check_costs.len(), DEPTHS.len());
     for c in &report.check_costs {
-        assert!(c.probe_check_ms < c.head_check_ms, "{c:?}");
+        assert!(
+            c.probe_check_ms.is_some_and(|p| p < c.head_check_ms),
+            "{c:?}"
+        );
     }
     Ok((heads, resumed, report))
 }
@@ -165,6 +177,33 @@ fn a_short_run_trains_saves_reproduces_and_resumes() -> anyhow::Result<()> {
     )?;
     assert_eq!(rows.len(), 2 * DEPTHS.len());
     assert_eq!(costs.len(), DEPTHS.len());
+    // Measured decode steps: every figure positive, and a step that stops at the shallowest
+    // exit (12 of 30 layers, then the check through the vocabulary head) faster than a
+    // full-depth one.
+    for c in &costs {
+        assert_eq!(c.head, "a (mlp)");
+        let probe = c.step_probe_check_ms.unwrap_or(f64::NAN);
+        assert!(
+            c.step_head_check_ms > 0.0 && probe > 0.0 && c.full_depth_step_ms > 0.0,
+            "{c:?}"
+        );
+    }
+    let shallowest = costs
+        .iter()
+        .find(|c| c.depth == DEPTHS[0])
+        .expect("a cost at the shallowest exit");
+    assert!(
+        shallowest.full_depth_step_ms > shallowest.step_head_check_ms,
+        "{shallowest:?}"
+    );
+    let json = serde_json::to_value(shallowest)?;
+    for field in [
+        "step_head_check_ms",
+        "step_probe_check_ms",
+        "full_depth_step_ms",
+    ] {
+        assert!(json[field].as_f64().is_some_and(|v| v > 0.0), "{json}");
+    }
     for &d in DEPTHS {
         let mine = rows.iter().find(|r| r.depth == d && r.head == "a (mlp)");
         let theirs = report_a

@@ -22,6 +22,7 @@
 //! held-out rows; [`run`] ties it together for `switchyard ee-tune`.
 
 pub mod cache;
+pub mod cost;
 pub mod eval;
 pub mod run;
 

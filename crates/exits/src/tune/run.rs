@@ -1,6 +1,6 @@
 //! `switchyard ee-tune` end to end: cache the hidden states, fit the ridge starting point,
 //! train each exit's head, fit its probe, score lens / ridge / trained side by side on
-//! held-out rows, and return the heads ready to save.
+//! held-out rows, time each exit's check, and return the heads ready to save.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -13,6 +13,7 @@ use switchyard_models::LayeredModel;
 use switchyard_tokenizer::Tokenizer;
 
 use super::cache::{CacheKey, HiddenCache};
+use super::cost::{CheckCost, StepTimer};
 use super::eval::{observe, score, HeadScores};
 use super::{epoch_order, fit_probe, optimizer, train_step, Batch, Frozen, Trainable};
 use crate::corpus::{Corpus, Split, HELD_OUT_EVERY};
@@ -25,8 +26,10 @@ use crate::{ExitsError, Result};
 
 /// Training rows by default. Each row costs three products with the vocabulary matrix per
 /// epoch (target, exit, gradient), about 2 ms each for SmolLM2-135M on 2 cores (a small
-/// run's total time divided by its products), so the default (9 exits, 2 epochs, plus the
-/// probe and the held-out scoring) takes about 20-25 minutes for it; larger vocabularies cost
+/// run's total time divided by its products). Measured with the defaults (9 exits, 2 epochs,
+/// plus the probe and the held-out scoring): about 1 min for the cache, then 2.5-3.8 min per
+/// exit (about 26 min in all) with the 2 cores lightly shared, and 3.5-5.1 min per exit
+/// (41 min in all) with them shared at a load average of 5. Larger vocabularies cost
 /// proportionally more.
 pub const DEFAULT_TOKENS: usize = 8192;
 /// Held-out rows scored by default.
@@ -37,8 +40,6 @@ pub const DEFAULT_BATCH: usize = 64;
 pub const DEFAULT_LAMBDA_REL: f64 = 1e-3;
 /// Epochs of the probe's logistic regression.
 pub const PROBE_EPOCHS: usize = 4;
-/// Timed repetitions of a one-row exit check.
-const CHECK_REPS: usize = 20;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TuneConfig {
@@ -108,16 +109,6 @@ pub enum TuneProgress {
     },
 }
 
-/// Time of one exit check for a single row.
-#[derive(Debug, Clone, Serialize)]
-pub struct CheckCost {
-    pub depth: usize,
-    /// Head, final norm and the vocabulary head (the serving path's quantized product).
-    pub head_check_ms: f64,
-    /// Head, final norm and the probe.
-    pub probe_check_ms: f64,
-}
-
 #[derive(Debug, Clone, Serialize)]
 pub struct LossCurve {
     pub depth: usize,
@@ -125,6 +116,9 @@ pub struct LossCurve {
     pub epoch_loss: Vec<f64>,
     /// Whether the exit came from a checkpoint (no curve then).
     pub resumed: bool,
+    /// Wall time of the exit: ridge fit, training (or restoring), probe, held-out scoring and
+    /// check timing.
+    pub seconds: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -198,6 +192,7 @@ pub fn ee_tune(
     let last_eval = held.slot(held.final_slot(), &dev)?;
     let next_train = Tensor::from_slice(&train.meta.next_tokens, train.rows(), &dev)?;
     let next_eval = &held.meta.next_tokens;
+    let mut steps = StepTimer::new(model, next_eval)?;
     let ckpt = target
         .checkpoint_dir
         .as_deref()
@@ -212,6 +207,8 @@ pub fn ee_tune(
     let mut infos = Vec::new();
     let mut full_bpb = f64::NAN;
     for (slot, &depth) in cfg.depths.iter().enumerate() {
+        let t_exit = Instant::now();
+        let _span = tracing::debug_span!("ee_tune_exit", depth).entered();
         let x_train = train.slot(slot, &dev)?;
         let x_eval = held.slot(slot, &dev)?;
         let ridge = ridge_head(&x_train, &last_train, cfg.lambda_rel, depth)?;
@@ -263,11 +260,6 @@ pub fn ee_tune(
                 epoch_loss.push(sum / train.rows().max(1) as f64);
             }
         }
-        curves.push(LossCurve {
-            depth,
-            epoch_loss,
-            resumed,
-        });
         let head = trainable.to_head()?;
         let probe = match &ckpt {
             Some(c) if resumed => c.probe(depth, &dev)?,
@@ -302,9 +294,17 @@ pub fn ee_tune(
             }),
         });
         rows.push(s);
-        costs.push(check_cost(model, depth, &head, &probe, &x_eval)?);
+        costs.push(steps.cost(depth, cfg.kind.as_str(), &head, Some(&probe))?);
         heads.insert(depth, head);
         probes.push((depth, probe));
+        let seconds = t_exit.elapsed().as_secs_f64();
+        tracing::info!(depth, seconds, resumed, "exit trained and scored");
+        curves.push(LossCurve {
+            depth,
+            epoch_loss,
+            resumed,
+            seconds,
+        });
         progress(TuneProgress::Scored { depth });
     }
     let seconds = t0.elapsed().as_secs_f64();
@@ -350,8 +350,9 @@ pub fn ee_tune(
 }
 
 /// Held-out scores of several sets of heads side by side (`eval exits --head`): per depth of
-/// each set, the logit lens once, then every set's head there, probes included. The rows of
-/// `cfg`'s held-out split are cached like ee-tune's.
+/// each set, the logit lens once, then every set's head there, probes included, with each
+/// head's check costs ([`super::cost`]). The rows of `cfg`'s held-out split are cached like
+/// ee-tune's.
 pub fn score_heads(
     target: &TuneTarget<'_>,
     corpus: &Corpus,
@@ -386,6 +387,7 @@ pub fn score_heads(
     let frozen = Frozen::from_model(model)?;
     let last = held.slot(held.final_slot(), &dev)?;
     let next = &held.meta.next_tokens;
+    let mut steps = StepTimer::new(model, next)?;
     let mut rows = Vec::new();
     let mut costs = Vec::new();
     let mut full_bpb = f64::NAN;
@@ -402,9 +404,7 @@ pub fn score_heads(
             let o = observe(head, probe, &frozen, &x, &last, next)?;
             let label = format!("{name} ({})", head.kind().as_str());
             rows.push(score(depth, &label, &o, held.meta.bytes));
-            if let Some(p) = probe {
-                costs.push(check_cost(model, depth, head, p, &x)?);
-            }
+            costs.push(steps.cost(depth, &label, head, probe)?);
         }
     }
     Ok((rows, costs, full_bpb))
@@ -447,44 +447,6 @@ fn probe_data(
         feats.push(z);
     }
     Ok((Tensor::cat(&feats, 0)?, labels))
-}
-
-/// Median times of a one-row exit check through the serving path's vocabulary head and
-/// through the probe.
-fn check_cost(
-    model: &LayeredModel,
-    depth: usize,
-    head: &ExitHead,
-    probe: &ExitProbe,
-    x: &Tensor,
-) -> Result<CheckCost> {
-    let row = x.narrow(0, 0, 1)?;
-    let time = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
-        f()?;
-        let mut t = Vec::with_capacity(CHECK_REPS);
-        for _ in 0..CHECK_REPS {
-            let s = Instant::now();
-            f()?;
-            t.push(s.elapsed().as_secs_f64() * 1e3);
-        }
-        t.sort_by(f64::total_cmp);
-        Ok(t[t.len() / 2])
-    };
-    let head_check_ms = time(&|| {
-        let z = model.final_norm(&head.translate(&row)?)?;
-        model.lm_head(&z)?.argmax(D::Minus1)?.to_vec1::<u32>()?;
-        Ok(())
-    })?;
-    let probe_check_ms = time(&|| {
-        let z = model.final_norm(&head.translate(&row)?)?;
-        probe.score(&z)?.to_vec1::<f32>()?;
-        Ok(())
-    })?;
-    Ok(CheckCost {
-        depth,
-        head_check_ms,
-        probe_check_ms,
-    })
 }
 
 /// Checkpoints of finished exits: `config.json` (the run's configuration and model hash) and
@@ -591,10 +553,11 @@ impl TuneReport {
             &self.rows,
             self.full_depth_bits_per_byte,
         ));
-        let _ = writeln!(
-            s,
-            "\n| depth | exit check, vocabulary head (ms) | exit check, probe (ms) | training loss per epoch |\n|---|---|---|---|"
-        );
+        s.push('\n');
+        s.push_str(&CheckCost::table_header(&[
+            "training loss per epoch",
+            "exit time (s)",
+        ]));
         for (cost, curve) in self.check_costs.iter().zip(&self.loss_curves) {
             let losses = if curve.resumed {
                 "(checkpoint)".to_string()
@@ -606,11 +569,7 @@ impl TuneReport {
                     .collect::<Vec<_>>()
                     .join(" → ")
             };
-            let _ = writeln!(
-                s,
-                "| {} | {:.3} | {:.3} | {} |",
-                cost.depth, cost.head_check_ms, cost.probe_check_ms, losses
-            );
+            let _ = writeln!(s, "{}| {losses} | {:.1} |", cost.cells(), curve.seconds);
         }
         s
     }
