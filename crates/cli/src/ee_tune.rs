@@ -123,6 +123,7 @@ pub fn run(a: EeTuneArgs) -> anyhow::Result<()> {
         ProgressStyle::with_template("{msg} {bar:40} {pos}/{len} ({per_sec}, eta {eta})")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
+    let started = std::time::Instant::now();
     let (heads, report) = ee_tune(&target, &corpus, &cfg, |p| match p {
         TuneProgress::Cache { split, rows, total } => {
             pb.set_message(format!("caching {split} hidden states"));
@@ -144,11 +145,14 @@ pub fn run(a: EeTuneArgs) -> anyhow::Result<()> {
             pb.set_length(steps as u64);
             pb.set_position(step as u64);
         }
+        // `suspend` + `eprintln!`, not `pb.println`: the bar (and its `println`) is hidden when
+        // stderr is not a terminal, which left redirected logs without any per-exit line.
         TuneProgress::Resumed { depth } => {
-            pb.println(format!("depth {depth}: resumed from its checkpoint"));
+            pb.suspend(|| eprintln!("depth {depth}: resumed from its checkpoint"));
         }
         TuneProgress::Scored { depth } => {
-            pb.println(format!("depth {depth}: trained and scored"));
+            let s = started.elapsed().as_secs_f64();
+            pb.suspend(|| eprintln!("depth {depth}: trained and scored ({s:.0} s into the run)"));
         }
     })?;
     pb.finish_and_clear();
