@@ -120,7 +120,7 @@ impl Sequential {
         for q in self.queue.drain(..) {
             let _ = q
                 .sink
-                .send(Ok(last_output(q.id, &q, 0, None, FinishReason::Abort)));
+                .send(Ok(last_output(&q, 0, None, FinishReason::Abort)));
         }
         if let Some(reply) = self.stop.take() {
             let _ = reply.send(Ok(()));
@@ -194,13 +194,9 @@ impl Sequential {
                 } else {
                     reason
                 };
-                let _ = q.sink.send(Ok(last_output(
-                    q.id,
-                    &q,
-                    output_tokens,
-                    first_token_at,
-                    reason,
-                )));
+                let _ = q
+                    .sink
+                    .send(Ok(last_output(&q, output_tokens, first_token_at, reason)));
             }
             Err(e) => {
                 let _ = q.sink.send(Err(e));
@@ -228,7 +224,7 @@ impl Sequential {
                     if let Some(q) = self.queue.remove(i) {
                         let _ = q
                             .sink
-                            .send(Ok(last_output(id, &q, 0, None, FinishReason::Abort)));
+                            .send(Ok(last_output(&q, 0, None, FinishReason::Abort)));
                     }
                 }
             }
@@ -302,14 +298,13 @@ fn unsupported(what: &str) -> EngineError {
 }
 
 fn last_output(
-    id: RequestId,
     q: &Queued,
     output_tokens: usize,
     first_token_at: Option<Instant>,
     reason: FinishReason,
 ) -> RequestOutput {
     RequestOutput {
-        id,
+        id: q.id,
         token_ids: Vec::new(),
         logprobs: Vec::new(),
         confidences: Vec::new(),

@@ -43,13 +43,18 @@ const ERROR_BODY_CHARS: usize = 300;
 
 /// The requests a remote candidate streams.
 pub struct RemoteBackend {
-    name: Arc<str>,
+    target: Arc<Target>,
+    running: Arc<Mutex<HashMap<RequestId, Arc<AtomicBool>>>>,
+}
+
+/// The server a remote candidate's requests go to, shared by all of them.
+struct Target {
+    name: String,
     endpoint: String,
     model: String,
     client: reqwest::blocking::Client,
     tokenizer: Arc<Tokenizer>,
     n_layers: usize,
-    running: Arc<Mutex<HashMap<RequestId, Arc<AtomicBool>>>>,
 }
 
 /// Starts an engine handle over the remote candidate `entry`.
@@ -82,12 +87,14 @@ pub fn remote_candidate(entry: &ModelEntry) -> Result<EngineHandle> {
         tokenizer: Arc::clone(&tokenizer),
     };
     let backend = RemoteBackend {
-        name: Arc::from(entry.name.as_str()),
-        endpoint: format!("{}/v1/completions", url.trim_end_matches('/')),
-        model: model.to_string(),
-        client,
-        tokenizer,
-        n_layers: entry.layers,
+        target: Arc::new(Target {
+            name: entry.name.clone(),
+            endpoint: format!("{}/v1/completions", url.trim_end_matches('/')),
+            model: model.to_string(),
+            client,
+            tokenizer,
+            n_layers: entry.layers,
+        }),
         running: Arc::default(),
     };
     Ok(EngineHandle::spawn_backend(Box::new(backend), info)?)
@@ -101,12 +108,7 @@ impl RequestBackend for RemoteBackend {
         }
         let call = Call {
             id,
-            name: Arc::clone(&self.name),
-            endpoint: self.endpoint.clone(),
-            model: self.model.clone(),
-            client: self.client.clone(),
-            tokenizer: Arc::clone(&self.tokenizer),
-            n_layers: self.n_layers,
+            target: Arc::clone(&self.target),
             stop,
         };
         let running = Arc::clone(&self.running);
@@ -148,12 +150,7 @@ impl RequestBackend for RemoteBackend {
 /// One request's HTTP call.
 struct Call {
     id: RequestId,
-    name: Arc<str>,
-    endpoint: String,
-    model: String,
-    client: reqwest::blocking::Client,
-    tokenizer: Arc<Tokenizer>,
-    n_layers: usize,
+    target: Arc<Target>,
     stop: Arc<AtomicBool>,
 }
 
@@ -167,7 +164,7 @@ impl Call {
     fn body(&self, request: &EngineRequest) -> Value {
         let p = &request.params;
         let mut body = json!({
-            "model": self.model,
+            "model": self.target.model,
             "prompt": request.prompt,
             "max_tokens": p.max_tokens,
             "temperature": p.temperature,
@@ -204,7 +201,7 @@ impl Call {
         let finish = match self.stream(request, arrival, sink, &mut progress) {
             Ok(f) => f,
             Err(e) => {
-                tracing::warn!(model = %self.name, error = %e, "remote request failed");
+                tracing::warn!(model = %self.target.name, error = %e, "remote request failed");
                 let _ = sink.send(Err(e));
                 return;
             }
@@ -216,7 +213,7 @@ impl Call {
             logprobs: Vec::new(),
             confidences: Vec::new(),
             probe_exits: Vec::new(),
-            depth: self.n_layers,
+            depth: self.target.n_layers,
             text: String::new(),
             finish_reason: Some(finish),
             prompt_tokens: request.prompt.len(),
@@ -236,11 +233,13 @@ impl Call {
         sink: &OutputSink,
         progress: &mut Progress,
     ) -> std::result::Result<FinishReason, EngineError> {
-        let failed =
-            |what: String| EngineError::StepFailed(format!("remote {}: {what}", self.endpoint));
+        let failed = |what: String| {
+            EngineError::StepFailed(format!("remote {}: {what}", self.target.endpoint))
+        };
         let resp = self
+            .target
             .client
-            .post(&self.endpoint)
+            .post(&self.target.endpoint)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .body(self.body(request).to_string())
             .send()
@@ -324,7 +323,7 @@ impl Call {
             probe_exits: vec![None; logprobs.len()],
             token_ids,
             logprobs,
-            depth: self.n_layers,
+            depth: self.target.n_layers,
             text,
             finish_reason: None,
             prompt_tokens: request.prompt.len(),
@@ -345,7 +344,8 @@ impl Call {
         {
             return vec![id];
         }
-        self.tokenizer
+        self.target
+            .tokenizer
             .encode(token, false, false)
             .unwrap_or_default()
     }

@@ -148,12 +148,7 @@ async fn a_remote_candidate_without_a_tokenizer_or_server_is_reported() {
         text.replace(&format!("tokenizer = \"{MODEL}\"\n"), ""),
     )
     .expect("write");
-    let cfg = switchyard_server::config::Config::parse(&config(&path)).expect("config");
-    let err = switchyard_server::build_state(&cfg)
-        .await
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
+    let err = common::start_error(&config(&path)).await;
     assert!(
         err.contains(&format!(
             "remote candidate {REMOTE}: the manifest needs `tokenizer`"

@@ -189,12 +189,7 @@ async fn speculative_needs_a_draft_and_self_speculative_needs_exit_heads() {
             missing.display().to_string()
         ),
     );
-    let cfg = switchyard_server::config::Config::parse(&toml).expect("parses");
-    let err = switchyard_server::build_state(&cfg)
-        .await
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
+    let err = common::start_error(&toml).await;
     assert!(
         err.contains(&format!(
             "self-speculative needs exit heads: none at {}",
@@ -428,12 +423,7 @@ async fn a_saved_learned_router_routes_requests() {
 
     // A file that is not a router stops start-up with the file named.
     std::fs::write(&path, "{}").expect("write");
-    let cfg = switchyard_server::config::Config::parse(&toml).expect("parses");
-    let err = switchyard_server::build_state(&cfg)
-        .await
-        .err()
-        .map(|e| e.to_string())
-        .unwrap_or_default();
+    let err = common::start_error(&toml).await;
     assert!(
         err.contains(&format!(
             "[modeswitch]: learned router file {}: not a learned router",

@@ -75,6 +75,16 @@ pub async fn start(toml: &str) -> TestServer {
     }
 }
 
+/// Why a server with configuration `toml` fails to start (empty when it starts).
+pub async fn start_error(toml: &str) -> String {
+    let cfg = Config::parse(toml).expect("the configuration parses");
+    switchyard_server::build_state(&cfg)
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default()
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::new()
 }
