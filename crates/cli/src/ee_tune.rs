@@ -24,8 +24,9 @@ pub struct EeTuneArgs {
     /// n_layers / 8 layers).
     #[arg(long, value_delimiter = ',')]
     exits: Option<Vec<usize>>,
-    /// `affine` (from the ridge solution) or `mlp` (affine plus a residual MLP). `block`
-    /// (a transformer block with its own K/V cache) is not implemented.
+    /// `affine` (from the ridge solution), `mlp` (affine plus a residual MLP) or `block` (a
+    /// transformer layer copied from the model's last, with its own K/V per sequence; trained
+    /// one whole document per step).
     #[arg(long, default_value = "affine", value_parser = ["affine", "mlp", "block"])]
     head: String,
     /// `sharegpt`, another zoo dataset, or a text or ShareGPT JSON file.
@@ -68,10 +69,8 @@ pub fn run(a: EeTuneArgs) -> anyhow::Result<()> {
     let kind = match a.head.as_str() {
         "mlp" => HeadKind::Mlp,
         "affine" => HeadKind::Affine,
-        other => anyhow::bail!(
-            "--head {other}: a transformer-block exit needs its own K/V cache in the paged KV \
-             pool and is not implemented; use affine or mlp"
-        ),
+        "block" => HeadKind::Block,
+        other => anyhow::bail!("--head {other}: use affine, mlp or block"),
     };
     let model_path = switchyard_zoo::resolve_model(&a.model)?;
     let loaded = load_model(&a.model, &LoadOptions::default())?;

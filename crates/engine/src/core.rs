@@ -220,6 +220,9 @@ impl EngineCore {
     ) -> Result<Self> {
         let depth = resident_prefix(&model)?;
         let spec = model.spec();
+        if let Some(why) = exit.unservable() {
+            return Err(EngineError::BadConfig(why));
+        }
         if cfg.block_tokens == 0 {
             return Err(EngineError::BadConfig(
                 "block_tokens must be positive".into(),

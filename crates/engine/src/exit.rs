@@ -22,6 +22,12 @@ pub trait ExitHead: Send + Sync + std::fmt::Debug {
     fn resident_bytes(&self) -> usize {
         0
     }
+
+    /// Why these heads cannot be served by the batching engine, if they cannot: a head that
+    /// attends over its sequence needs K/V per sequence, which this seam does not carry.
+    fn unservable(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The model's final norm and LM head at any depth (the final head when `depth` is the model's

@@ -169,6 +169,7 @@ pub fn calibrate(
             lambda_rel: Some(lambda),
             validation_r2: r2,
             validation_r2_identity: r2_id,
+            block: None,
             trained: None,
         });
     }

@@ -16,6 +16,12 @@
 //! The cache stays a prefix at every layer (positions `0..kv.len(j)` filled), which is what
 //! makes recomputation simple: the rows layer `j` must run are exactly positions
 //! `kv.len(j)..=t`.
+//!
+//! Block heads ([`crate::block`]) keep K/V of their own, one cache per checked depth, under
+//! the same rule: the block at depth `d` holds exactly the positions layer `d - 1` holds. The
+//! prompt and every check fill it; under recomputation the rows that catch up pass through it
+//! with the token; under propagation an exit writes the exited state's K/V into the blocks of
+//! the deeper checked exits, as into the skipped layers.
 
 use std::collections::BTreeMap;
 
@@ -23,6 +29,7 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 use switchyard_models::{DenseKv, ForwardBatch, LayeredModel, SeqKv};
 
+use crate::block::BlockKv;
 use crate::confidence::{passes, token_stats, ConfidenceMeasure, TokenStats};
 use crate::heads::ExitHeads;
 use crate::{ExitsError, Result};
@@ -128,6 +135,8 @@ pub struct EarlyExitDecoder<'m> {
     pos: usize,
     /// Positions whose K/V stop at some depth, with the hidden state there (recompute only).
     pending: BTreeMap<usize, (usize, Tensor)>,
+    /// K/V of the block heads at checked depths.
+    block_kv: BTreeMap<usize, BlockKv>,
     counters: DecodeCounters,
 }
 
@@ -145,6 +154,10 @@ impl<'m> EarlyExitDecoder<'m> {
                 "per-token early exit needs every layer resident; layer {l} is not"
             )));
         }
+        let block_kv = block_depths(heads, &policy)
+            .into_iter()
+            .map(|d| (d, BlockKv::default()))
+            .collect();
         Ok(Self {
             model,
             heads,
@@ -153,13 +166,28 @@ impl<'m> EarlyExitDecoder<'m> {
             kv: DenseKv::new(n, model.spec().kv_row_len()),
             pos: 0,
             pending: BTreeMap::new(),
+            block_kv,
             counters: DecodeCounters::default(),
         })
     }
 
     /// Changes the exit policy for the following steps (a controller may move the threshold).
+    /// Once tokens are in, a block head can only be checked if it was checked from the start
+    /// (its K/V hold every position).
     pub fn set_policy(&mut self, policy: ExitPolicy) -> Result<()> {
         check_policy(self.model, self.heads, &policy)?;
+        for d in block_depths(self.heads, &policy) {
+            if !self.block_kv.contains_key(&d) {
+                if self.pos > 0 {
+                    return Err(ExitsError::Invalid(format!(
+                        "the block head at depth {d} was not checked so far and has no K/V for \
+                         the {} positions in; set its policy before the prompt",
+                        self.pos
+                    )));
+                }
+                self.block_kv.insert(d, BlockKv::default());
+            }
+        }
         self.policy = policy;
         Ok(())
     }
@@ -190,10 +218,17 @@ impl<'m> EarlyExitDecoder<'m> {
                 "prefill after an early exit; step the tokens instead".into(),
             ));
         }
-        let x = self.model.embed(tokens)?;
+        let mut x = self.model.embed(tokens)?;
         let mut b = ForwardBatch::single(&mut self.kv, self.pos, tokens.len());
+        // Layers up to each block head, whose K/V take the prompt there, then the rest.
+        let mut at = 0;
+        for (&d, kv) in self.block_kv.iter_mut() {
+            x = self.model.forward_layers(x, at..d, &mut b)?;
+            self.heads.head(d)?.translate_seq(&x, self.pos, Some(kv))?;
+            at = d;
+        }
         self.model
-            .forward_layers(x, 0..self.model.n_layers(), &mut b)?;
+            .forward_layers(x, at..self.model.n_layers(), &mut b)?;
         self.pos += tokens.len();
         Ok(())
     }
@@ -225,12 +260,17 @@ impl<'m> EarlyExitDecoder<'m> {
             let depth = j + 1;
             if self.policy.depths.get(next_check) == Some(&depth) {
                 next_check += 1;
-                let last = h.narrow(0, rows - 1, 1)?;
+                let head = self.heads.head(depth)?;
+                let translated = match self.block_kv.get_mut(&depth) {
+                    // A block head takes every row this layer ran: they join its K/V too.
+                    Some(kv) => head
+                        .translate_seq(&h, start, Some(kv))?
+                        .narrow(0, rows - 1, 1)?,
+                    None => head.translate(&h.narrow(0, rows - 1, 1)?)?,
+                };
+                let z = self.model.final_norm(&translated)?;
                 if self.policy.probe {
                     self.counters.exit_checks += 1;
-                    let z = self
-                        .model
-                        .final_norm(&self.heads.head(depth)?.translate(&last)?)?;
                     let probe = self
                         .heads
                         .probe(depth)
@@ -247,8 +287,7 @@ impl<'m> EarlyExitDecoder<'m> {
                     }
                     continue;
                 }
-                let logits = self.heads.logits(self.model, depth, &last)?;
-                let logits = logits.flatten_all()?.to_vec1::<f32>()?;
+                let logits = self.model.lm_head(&z)?.flatten_all()?.to_vec1::<f32>()?;
                 let stats = token_stats(&logits);
                 self.counters.exit_checks += 1;
                 if passes(stats.confidence(self.policy.measure), self.policy.threshold) {
@@ -307,10 +346,24 @@ impl<'m> EarlyExitDecoder<'m> {
                 let mut b = ForwardBatch::single(&mut self.kv, self.pos, 1);
                 self.model.write_kv_layers(&last, depth..n_layers, &mut b)?;
                 self.counters.propagated_row_layers += (n_layers - depth) as u64;
+                for (&d, kv) in self.block_kv.range_mut(depth + 1..) {
+                    self.heads.head(d)?.write_kv(&last, self.pos, kv)?;
+                }
             }
         }
         Ok(())
     }
+}
+
+/// The policy's depths whose head is a block.
+fn block_depths(heads: &ExitHeads, policy: &ExitPolicy) -> Vec<usize> {
+    let blocks = heads.sequential_depths();
+    policy
+        .depths
+        .iter()
+        .copied()
+        .filter(|d| blocks.contains(d))
+        .collect()
 }
 
 /// Depths increase, lie inside the model and each has a head.

@@ -24,4 +24,15 @@ impl switchyard_engine::ExitHead for ExitHeads {
     fn resident_bytes(&self) -> usize {
         self.iter().map(|(_, h)| h.bytes()).sum()
     }
+
+    fn unservable(&self) -> Option<String> {
+        let blocks = self.sequential_depths();
+        (!blocks.is_empty()).then(|| {
+            format!(
+                "the exit heads at depths {blocks:?} are block heads, which keep K/V per \
+                 sequence; the batching engine's exit seam maps rows one by one and cannot \
+                 serve them (per-token early exit and self-speculative decoding can)"
+            )
+        })
+    }
 }

@@ -3,7 +3,9 @@
 //! Tensors: `exit.<depth>.weight` (`A`, `[d_model, d_model]` f32, `y = A h + b`) and
 //! `exit.<depth>.bias` (`[d_model]` f32) for each affine head; identity heads have none. An MLP
 //! head adds `exit.<depth>.mlp.w1` (`[hidden, d_model]`), `exit.<depth>.mlp.b1` (`[hidden]`)
-//! and `exit.<depth>.mlp.w2` (`[d_model, hidden]`); an exit probe, when trained, is
+//! and `exit.<depth>.mlp.w2` (`[d_model, hidden]`); a block head is `exit.<depth>.block.<part>`
+//! for each part of [`crate::block::PARTS`] (matrices `[out, in]`, as in the model), its shape
+//! in the metadata; an exit probe, when trained, is
 //! `exit.<depth>.probe.weight` (`[d_model]`) and `exit.<depth>.probe.bias` (`[1]`). The
 //! safetensors header's metadata holds one key, [`META_KEY`], whose value is the JSON of
 //! [`HeadsMeta`]: the model's SHA-256, size, name and shape, each head's depth and kind, and how
@@ -18,6 +20,7 @@ use candle_core::{Device, Tensor};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use switchyard_models::LayeredModel;
 
+use crate::block::{BlockHead, PARTS};
 use crate::fingerprint::Fingerprint;
 use crate::heads::{ExitHead, ExitHeads, ExitProbe, HeadKind, HeadsMeta, FORMAT_VERSION};
 use crate::{ExitsError, Result};
@@ -47,6 +50,10 @@ fn bias_name(depth: usize) -> String {
 
 fn part_name(depth: usize, part: &str) -> String {
     format!("exit.{depth}.{part}")
+}
+
+fn block_name(depth: usize, part: &str) -> String {
+    format!("exit.{depth}.block.{part}")
 }
 
 fn f32_bytes(t: &Tensor) -> Result<Vec<u8>> {
@@ -80,6 +87,17 @@ pub fn save(heads: &ExitHeads, path: &Path) -> Result<()> {
                 push(part_name(depth, "mlp.w1"), &w1_t.t()?.contiguous()?)?;
                 push(part_name(depth, "mlp.b1"), b1)?;
                 push(part_name(depth, "mlp.w2"), &w2_t.t()?.contiguous()?)?;
+            }
+            ExitHead::Block(b) => {
+                for (part, t) in PARTS.iter().zip(&b.params) {
+                    // Matrices are stored `[out, in]`, as the model's own.
+                    let t = if t.rank() == 2 {
+                        t.t()?.contiguous()?
+                    } else {
+                        t.clone()
+                    };
+                    push(block_name(depth, part), &t)?;
+                }
             }
         }
         if let Some(p) = heads.probe(depth) {
@@ -135,7 +153,7 @@ pub fn load_unchecked(path: &Path, device: &Device) -> Result<ExitHeads> {
         .into_iter()
         .flatten()
         .filter_map(|h| h.get("kind").and_then(|k| k.as_str()))
-        .find(|k| !matches!(*k, "identity" | "affine" | "mlp"))
+        .find(|k| !matches!(*k, "identity" | "affine" | "mlp" | "block"))
     {
         return Err(ExitsError::UnsupportedHeadKind {
             path: path.to_path_buf(),
@@ -198,6 +216,29 @@ pub fn load_unchecked(path: &Path, device: &Device) -> Result<ExitHeads> {
                         .t()?
                         .contiguous()?,
                 }
+            }
+            HeadKind::Block => {
+                let cfg = info.block.clone().ok_or_else(|| {
+                    bad(format!(
+                        "the block head at depth {} has no shape",
+                        info.depth
+                    ))
+                })?;
+                let params = PARTS
+                    .iter()
+                    .zip(BlockHead::shapes(&cfg, d))
+                    .map(|(part, shape)| {
+                        let name = block_name(info.depth, part);
+                        if shape.len() == 2 {
+                            Ok(load(&name, &[shape[1], shape[0]])?.t()?.contiguous()?)
+                        } else {
+                            load(&name, &shape)
+                        }
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let head = BlockHead { cfg, params };
+                head.check(d).map_err(|e| bad(e.to_string()))?;
+                ExitHead::Block(Box::new(head))
             }
         };
         if heads.insert(info.depth, head).is_some() {

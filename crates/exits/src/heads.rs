@@ -11,6 +11,7 @@ use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 use switchyard_models::LayeredModel;
 
+use crate::block::{BlockConfig, BlockHead, BlockKv};
 use crate::ridge::Affine;
 use crate::{ExitsError, Result};
 
@@ -25,6 +26,9 @@ pub enum HeadKind {
     /// `A h + b + W₂ silu(W₁ rms(h) + b₁)`: an affine map plus a residual MLP, trained by
     /// `ee-tune` from the ridge solution (the MLP's output starts at zero).
     Mlp,
+    /// One transformer layer with its own K/V per sequence ([`crate::block`]), trained by
+    /// `ee-tune` from a copy of the model's last layer.
+    Block,
 }
 
 impl HeadKind {
@@ -33,6 +37,7 @@ impl HeadKind {
             Self::Identity => "identity",
             Self::Affine => "affine",
             Self::Mlp => "mlp",
+            Self::Block => "block",
         }
     }
 }
@@ -58,6 +63,9 @@ pub enum ExitHead {
         /// `W₂ᵀ`, `[hidden, d_model]` f32.
         w2_t: Tensor,
     },
+    /// A transformer layer; it attends over its sequence, so it is run through
+    /// [`ExitHead::translate_seq`] with the sequence's [`BlockKv`].
+    Block(Box<BlockHead>),
 }
 
 /// Epsilon of the parameter-free RMS norm at the input of an MLP head's hidden layer.
@@ -76,7 +84,13 @@ impl ExitHead {
             Self::Identity => HeadKind::Identity,
             Self::Affine { .. } => HeadKind::Affine,
             Self::Mlp { .. } => HeadKind::Mlp,
+            Self::Block(_) => HeadKind::Block,
         }
+    }
+
+    /// Whether the head attends over its sequence (and so needs a [`BlockKv`] per sequence).
+    pub fn is_sequential(&self) -> bool {
+        matches!(self, Self::Block(_))
     }
 
     /// An affine head from a ridge solution (rounded to f32).
@@ -98,7 +112,8 @@ impl ExitHead {
             .sum()
     }
 
-    /// The head's parameters: none, `[Aᵀ, b]`, or `[Aᵀ, b, W₁ᵀ, b₁, W₂ᵀ]`.
+    /// The head's parameters: none, `[Aᵀ, b]`, `[Aᵀ, b, W₁ᵀ, b₁, W₂ᵀ]`, or a block's in
+    /// [`crate::block::PARTS`] order.
     pub fn tensors(&self) -> Vec<&Tensor> {
         match self {
             Self::Identity => Vec::new(),
@@ -110,10 +125,36 @@ impl ExitHead {
                 b1,
                 w2_t,
             } => vec![weight_t, bias, w1_t, b1, w2_t],
+            Self::Block(b) => b.params.iter().collect(),
         }
     }
 
-    /// Hidden rows `[rows, d_model]` mapped into the final layer's hidden space.
+    /// Hidden rows `[rows, d_model]` of one sequence at positions `start..`, mapped into the
+    /// final layer's hidden space. A block head attends over the positions before them, held
+    /// by `kv`, which the rows then join; row-wise heads ignore `start` and `kv`.
+    pub fn translate_seq(
+        &self,
+        hidden: &Tensor,
+        start: usize,
+        kv: Option<&mut BlockKv>,
+    ) -> Result<Tensor> {
+        match self {
+            Self::Block(b) => b.forward(hidden, start, kv),
+            _ => self.translate(hidden),
+        }
+    }
+
+    /// Appends the K/V of rows `hidden` (positions `start..`) to a block head's `kv` without
+    /// running the rest of it; nothing for row-wise heads.
+    pub fn write_kv(&self, hidden: &Tensor, start: usize, kv: &mut BlockKv) -> Result<()> {
+        match self {
+            Self::Block(b) => b.write_kv(hidden, start, kv),
+            _ => Ok(()),
+        }
+    }
+
+    /// Hidden rows `[rows, d_model]` mapped into the final layer's hidden space, each row on
+    /// its own. A block head refuses: it needs its sequence ([`ExitHead::translate_seq`]).
     pub fn translate(&self, hidden: &Tensor) -> Result<Tensor> {
         match self {
             Self::Identity => Ok(hidden.clone()),
@@ -133,6 +174,12 @@ impl ExitHead {
                 let mid = rms(&h)?.matmul(w1_t)?.broadcast_add(b1)?.silu()?;
                 Ok((lin + mid.matmul(w2_t)?)?)
             }
+            Self::Block(_) => Err(ExitsError::Invalid(
+                "a block exit head attends over its sequence and needs that sequence's K/V; \
+                 this path maps rows one by one (use per-token decoding or fixed-depth decoding \
+                 with a block head's own K/V)"
+                    .into(),
+            )),
         }
     }
 }
@@ -175,6 +222,9 @@ pub struct HeadInfo {
     /// The same for the identity map (the logit lens), for comparison.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub validation_r2_identity: Option<f64>,
+    /// A block head's shape.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block: Option<BlockConfig>,
     /// Held-out figures of a head trained by `ee-tune`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trained: Option<TrainedInfo>,
@@ -253,16 +303,24 @@ impl ExitHeads {
         let known: BTreeMap<usize, HeadInfo> = meta.heads.drain(..).map(|h| (h.depth, h)).collect();
         meta.heads = heads
             .iter()
-            .map(|(&depth, h)| match known.get(&depth) {
-                Some(info) if info.kind == h.kind() => info.clone(),
-                _ => HeadInfo {
-                    depth,
-                    kind: h.kind(),
-                    lambda_rel: None,
-                    validation_r2: None,
-                    validation_r2_identity: None,
-                    trained: None,
-                },
+            .map(|(&depth, h)| {
+                let mut info = match known.get(&depth) {
+                    Some(info) if info.kind == h.kind() => info.clone(),
+                    _ => HeadInfo {
+                        depth,
+                        kind: h.kind(),
+                        lambda_rel: None,
+                        validation_r2: None,
+                        validation_r2_identity: None,
+                        block: None,
+                        trained: None,
+                    },
+                };
+                info.block = match h {
+                    ExitHead::Block(b) => Some(b.cfg.clone()),
+                    _ => None,
+                };
+                info
             })
             .collect();
         let n_layers = meta.model.n_layers;
@@ -324,6 +382,14 @@ impl ExitHeads {
 
     pub fn iter(&self) -> impl Iterator<Item = (usize, &ExitHead)> {
         self.heads.iter().map(|(&d, h)| (d, h))
+    }
+
+    /// Depths whose head attends over its sequence (block heads).
+    pub fn sequential_depths(&self) -> Vec<usize> {
+        self.iter()
+            .filter(|(_, h)| h.is_sequential())
+            .map(|(d, _)| d)
+            .collect()
     }
 
     /// Logits `[rows, vocab]` of hidden rows taken after layers `0..depth`: the head, then the

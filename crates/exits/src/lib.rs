@@ -28,6 +28,7 @@
 
 pub mod baseline;
 pub mod bench;
+pub mod block;
 pub mod calibrate;
 pub mod confidence;
 pub mod corpus;
@@ -76,7 +77,7 @@ pub enum ExitsError {
     },
     #[error("{path} does not fit this model: {detail}")]
     HeadsMismatch { path: PathBuf, detail: String },
-    #[error("{path}: head kind {kind:?} is not supported by this build (identity, affine and mlp are; block heads are not implemented)")]
+    #[error("{path}: head kind {kind:?} is not supported by this build (identity, affine, mlp and block are)")]
     UnsupportedHeadKind { path: PathBuf, kind: String },
     #[error("the exit head at depth {depth} has no exit probe; train one with `switchyard ee-tune`, or decide by confidence")]
     NoProbe { depth: usize },

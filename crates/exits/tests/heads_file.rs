@@ -100,16 +100,28 @@ fn unknown_head_kinds_and_foreign_files_are_named() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let heads = heads_for(&m, "aa11");
     let mut meta = serde_json::to_value(heads.meta())?;
-    meta["heads"][0]["kind"] = "block".into();
-    let path = dir.path().join("block.safetensors");
+    meta["heads"][0]["kind"] = "lstm".into();
+    let path = dir.path().join("lstm.safetensors");
     let info = HashMap::from([(META_KEY.to_string(), meta.to_string())]);
     let empty: Vec<(String, safetensors::tensor::TensorView<'_>)> = Vec::new();
     safetensors::tensor::serialize_to_file(empty, Some(info), &path)?;
     match file::load_unchecked(&path, &Device::Cpu) {
         Err(e @ ExitsError::UnsupportedHeadKind { .. }) => {
-            assert!(e.to_string().contains("head kind \"block\""), "{e}")
+            assert!(e.to_string().contains("head kind \"lstm\""), "{e}")
         }
         other => panic!("expected UnsupportedHeadKind, got {other:?}"),
+    }
+    // A block head without its shape in the metadata is named.
+    let mut meta = serde_json::to_value(heads.meta())?;
+    meta["heads"][0]["kind"] = "block".into();
+    let info = HashMap::from([(META_KEY.to_string(), meta.to_string())]);
+    let empty: Vec<(String, safetensors::tensor::TensorView<'_>)> = Vec::new();
+    safetensors::tensor::serialize_to_file(empty, Some(info), &path)?;
+    match file::load_unchecked(&path, &Device::Cpu) {
+        Err(ExitsError::BadHeadsFile { detail, .. }) => {
+            assert_eq!(detail, "the block head at depth 1 has no shape")
+        }
+        other => panic!("expected BadHeadsFile, got {other:?}"),
     }
 
     // A safetensors file without our metadata, and a file that is not safetensors at all.
@@ -211,6 +223,76 @@ fn trained_mlp_heads_and_probes_round_trip_bit_identically() -> anyhow::Result<(
     match file::load(&path, &m, &fp("dd44")) {
         Err(ExitsError::StaleHeads { heads_sha256, .. }) => assert_eq!(heads_sha256, "cc33"),
         other => panic!("expected StaleHeads, got {:?}", other.map(|h| h.depths())),
+    }
+    Ok(())
+}
+
+#[test]
+fn block_heads_round_trip_bit_identically_and_refuse_rows_alone() -> anyhow::Result<()> {
+    use switchyard_exits::block::{BlockHead, BlockKv};
+
+    for arch in [Architecture::Llama, Architecture::Qwen2] {
+        let m = synthetic(arch);
+        let n = m.n_layers();
+        let block = BlockHead::from_model_layer(&m, n - 1)?;
+        let meta = HeadsMeta {
+            format_version: FORMAT_VERSION,
+            model: model_ref(&m, "tiny", "ee55".to_string(), 123),
+            heads: Vec::new(),
+            calibration: None,
+        };
+        let heads = ExitHeads::new(
+            meta,
+            BTreeMap::from([(1, ExitHead::Block(Box::new(block)))]),
+        )?;
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("tiny.exits.block.safetensors");
+        file::save(&heads, &path)?;
+        let back = file::load(&path, &m, &fp("ee55"))?;
+        assert_eq!(back.meta(), heads.meta());
+        assert_eq!(back.sequential_depths(), vec![1]);
+        let x = m.embed(&[5, 6, 7, 8, 9])?;
+        let run = |h: &ExitHeads| -> anyhow::Result<Vec<Vec<f32>>> {
+            // Two rows, then three more on the same K/V.
+            let head = h.head(1)?;
+            let mut kv = BlockKv::default();
+            let a = head.translate_seq(&x.narrow(0, 0, 2)?, 0, Some(&mut kv))?;
+            let b = head.translate_seq(&x.narrow(0, 2, 3)?, 2, Some(&mut kv))?;
+            assert_eq!(kv.len(), 5);
+            let y = Tensor::cat(&[a, b], 0)?;
+            Ok(m.logits(&y)?.to_vec2::<f32>()?)
+        };
+        assert_eq!(run(&heads)?, run(&back)?, "{arch:?}");
+        // The row-by-row seam refuses a block head, with the reason.
+        match back.logits(&m, 1, &x) {
+            Err(ExitsError::Invalid(why)) => {
+                assert!(why.contains("attends over its sequence"), "{why}")
+            }
+            other => panic!(
+                "expected a refusal, got {:?}",
+                other.map(|t| t.dims().to_vec())
+            ),
+        }
+        let seam: &dyn switchyard_engine::ExitHead = &back;
+        let why = seam.unservable().unwrap_or_default();
+        assert!(
+            why.starts_with("the exit heads at depths [1] are block heads"),
+            "{why}"
+        );
+        // A head file for another model is refused.
+        assert!(matches!(
+            file::load(&path, &m, &fp("ff66")),
+            Err(ExitsError::StaleHeads { .. })
+        ));
+    }
+    // Gemma 3 layers (extra norms, q/k norms, GELU) are not copied.
+    let gemma = synthetic(Architecture::Gemma3);
+    match BlockHead::from_model_layer(&gemma, 1) {
+        Err(ExitsError::Invalid(why)) => assert_eq!(
+            why,
+            "block exit heads copy a llama or qwen2 layer; this model is gemma3"
+        ),
+        other => panic!("expected a refusal, got {:?}", other.map(|b| b.cfg)),
     }
     Ok(())
 }

@@ -30,6 +30,7 @@ use candle_core::Tensor;
 use switchyard_engine::generate::last_logits;
 use switchyard_engine::sampler::log_softmax_at;
 use switchyard_engine::{DecodedToken, GenerationTiming};
+use switchyard_exits::block::BlockKv;
 use switchyard_exits::ExitHeads;
 use switchyard_models::{DenseKv, ForwardBatch, LayeredModel};
 use switchyard_request::SamplingParams;
@@ -122,8 +123,22 @@ impl<'m> SelfSpeculativeDecoder<'m> {
         let mut kv = DenseKv::new(n, model.spec().kv_row_len());
         let mut stats = SpecStats::default();
 
+        let head = self.heads.head(d)?;
+        // A block head's own K/V: the prompt's, then each drafted position's.
+        let mut block_kv = head.is_sequential().then(BlockKv::default);
+
         let t0 = Instant::now();
-        let logits = last_logits(model, &mut kv, 0, prompt)?;
+        let logits = match &mut block_kv {
+            None => last_logits(model, &mut kv, 0, prompt)?,
+            Some(bkv) => {
+                let mut batch = ForwardBatch::single(&mut kv, 0, prompt.len());
+                let x = model.forward_layers(model.embed(prompt)?, 0..d, &mut batch)?;
+                head.translate_seq(&x, 0, Some(bkv))?;
+                let h = model.forward_layers(x, d..n, &mut batch)?;
+                let last = h.narrow(0, prompt.len() - 1, 1)?;
+                model.logits(&last)?.flatten_all()?.to_vec1::<f32>()?
+            }
+        };
         stats.target_forwards += 1;
         let first = sampler.sample(&sampler.dist(&logits, prompt));
         let prompt_secs = t0.elapsed().as_secs_f64();
@@ -142,7 +157,8 @@ impl<'m> SelfSpeculativeDecoder<'m> {
             for j in 0..k {
                 let _step = tracing::trace_span!("draft_step").entered();
                 let h = self.shallow(&mut kv, s - 1 + j, seq[s - 1 + j])?;
-                let logits = self.heads.logits(model, d, &h)?.flatten_all()?;
+                let z = head.translate_seq(&h, s - 1 + j, block_kv.as_mut())?;
+                let logits = model.logits(&z)?.flatten_all()?;
                 let qj = sampler.dist(&logits.to_vec1::<f32>()?, &seq);
                 stats.draft_forwards += 1;
                 seq.push(sampler.sample(&qj));
@@ -163,6 +179,15 @@ impl<'m> SelfSpeculativeDecoder<'m> {
             let verdict = settle_round(&mut sampler, &rows, &seq, s, &q, t, &mut stats);
 
             kv.truncate(s + verdict.accepted);
+            if let Some(bkv) = &mut block_kv {
+                // The block holds the drafted positions `..s-1+k`; keep the accepted ones and
+                // add the last draft's when all were accepted (its K/V come from its input).
+                let keep = s + verdict.accepted;
+                bkv.truncate(keep)?;
+                for p in bkv.len()..keep {
+                    head.write_kv(&states[p + 1 - s], p, bkv)?;
+                }
+            }
             done = out.push_all(&seq[s..s + verdict.accepted], verdict.next, &rows)?;
         }
         let timing = GenerationTiming {

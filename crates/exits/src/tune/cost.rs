@@ -14,6 +14,7 @@ use candle_core::{Tensor, D};
 use serde::Serialize;
 use switchyard_models::{DenseKv, ForwardBatch, LayeredModel};
 
+use crate::block::BlockKv;
 use crate::heads::{ExitHead, ExitProbe};
 use crate::{ExitsError, Result};
 
@@ -97,9 +98,29 @@ fn median_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(median(t))
 }
 
+/// A head as a check runs it: a block head with its K/V of the fixed context, which every
+/// timed check extends by one position (on a copy, so each repetition sees the same context).
+struct Checked<'h> {
+    head: &'h ExitHead,
+    kv: Option<BlockKv>,
+    at: usize,
+}
+
+impl Checked<'_> {
+    fn translate(&self, row: &Tensor) -> Result<Tensor> {
+        match &self.kv {
+            Some(kv) => {
+                let mut kv = kv.clone();
+                self.head.translate_seq(row, self.at, Some(&mut kv))
+            }
+            None => self.head.translate(row),
+        }
+    }
+}
+
 /// Head, final norm, vocabulary head and the top-1 read back: the check of the serving path
 /// without a probe.
-fn head_check(model: &LayeredModel, head: &ExitHead, row: &Tensor) -> Result<()> {
+fn head_check(model: &LayeredModel, head: &Checked<'_>, row: &Tensor) -> Result<()> {
     let z = model.final_norm(&head.translate(row)?)?;
     model.lm_head(&z)?.argmax(D::Minus1)?.to_vec1::<u32>()?;
     Ok(())
@@ -108,7 +129,7 @@ fn head_check(model: &LayeredModel, head: &ExitHead, row: &Tensor) -> Result<()>
 /// Head, final norm, probe and its probability read back.
 fn probe_check(
     model: &LayeredModel,
-    head: &ExitHead,
+    head: &Checked<'_>,
     probe: &ExitProbe,
     row: &Tensor,
 ) -> Result<()> {
@@ -122,6 +143,8 @@ pub struct StepTimer<'m> {
     model: &'m LayeredModel,
     kv: DenseKv,
     context: usize,
+    /// The context's tokens (a block head's K/V is built from them).
+    prompt: Vec<u32>,
     token: u32,
 }
 
@@ -145,7 +168,30 @@ impl<'m> StepTimer<'m> {
             model,
             kv,
             context: prompt.len(),
+            prompt: prompt.to_vec(),
             token,
+        })
+    }
+
+    /// `head` ready to check: a block head gets the K/V of the context at `depth`.
+    fn checked<'h>(&self, depth: usize, head: &'h ExitHead) -> Result<Checked<'h>> {
+        let kv = if head.is_sequential() && !self.prompt.is_empty() {
+            let model = self.model;
+            let mut ctx = DenseKv::new(model.n_layers(), model.spec().kv_row_len());
+            let mut b = ForwardBatch::single(&mut ctx, 0, self.prompt.len());
+            let h = model.forward_layers(model.embed(&self.prompt)?, 0..depth, &mut b)?;
+            let mut kv = BlockKv::default();
+            head.translate_seq(&h, 0, Some(&mut kv))?;
+            Some(kv)
+        } else if head.is_sequential() {
+            Some(BlockKv::default())
+        } else {
+            None
+        };
+        Ok(Checked {
+            head,
+            kv,
+            at: self.context,
         })
     }
 
@@ -180,6 +226,7 @@ impl<'m> StepTimer<'m> {
     ) -> Result<CheckCost> {
         let model = self.model;
         let n = model.n_layers();
+        let head = &self.checked(depth, head)?;
         let row = self.layers(depth)?;
         let head_check_ms = median_ms(|| head_check(model, head, &row))?;
         let probe_check_ms = probe

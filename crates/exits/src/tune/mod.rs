@@ -4,9 +4,11 @@
 //! are computed once and cached ([`cache`]). A head at depth `d` is then trained to make the
 //! exit's distribution match the final layer's: the loss is KL(final ‖ exit), optionally plus
 //! the next token's cross-entropy, through the model's own final norm and LM head, both
-//! frozen. Head kinds: `affine` (initialised from the ridge solution, the tuned lens) and
-//! `mlp` (the same affine map plus a residual MLP whose output starts at zero), so training
-//! starts from the closed-form fit and can only move away from it by lowering the loss.
+//! frozen. Head kinds: `affine` (initialised from the ridge solution, the tuned lens), `mlp`
+//! (the same affine map plus a residual MLP whose output starts at zero), so training starts
+//! from the closed-form fit and can only move away from it by lowering the loss; and `block`
+//! (a transformer layer copied from the model's last, [`crate::block`]), trained on whole
+//! cached documents, one document per step, since it attends over its sequence.
 //!
 //! The vocabulary projection dominates the cost (`d_model × vocab` per row, forward and
 //! backward), and candle's autograd would also form the gradient of the frozen `[vocab,
@@ -32,6 +34,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use switchyard_models::LayeredModel;
 
+use crate::block::{BlockConfig, BlockHead, PARTS};
 use crate::heads::{rms, sigmoid, ExitHead, ExitProbe, HeadKind};
 use crate::Result;
 
@@ -78,12 +81,21 @@ impl Frozen {
 /// A head's parameters as trainable variables.
 pub struct Trainable {
     kind: HeadKind,
-    a_t: Var,
-    b: Var,
-    mlp: Option<(Var, Var, Var)>,
+    params: Params,
 }
 
-/// Checkpoint names of the parameters, in [`Trainable::vars`] order.
+enum Params {
+    /// An affine map, plus a residual MLP for the `mlp` kind.
+    Rows {
+        a_t: Var,
+        b: Var,
+        mlp: Option<(Var, Var, Var)>,
+    },
+    /// A transformer layer, in [`PARTS`] order.
+    Block { cfg: BlockConfig, vars: Vec<Var> },
+}
+
+/// Checkpoint names of a row-wise head's parameters, in [`Trainable::vars`] order.
 const PARAM_NAMES: [&str; 5] = ["a_t", "b", "w1_t", "b1", "w2_t"];
 
 /// Learning rate of AdamW for the heads.
@@ -92,14 +104,34 @@ pub const DEFAULT_LR: f64 = 1e-4;
 pub const MLP_WIDTH_FACTOR: usize = 1;
 
 impl Trainable {
-    /// A head of `kind` starting from `init` (an affine head, or identity), the MLP part's
-    /// first layer drawn from `seed` and its output layer zero, so the head starts as `init`.
+    /// A head of `kind` starting from `init`. Row-wise kinds start from an affine head (or
+    /// identity), the MLP part's first layer drawn from `seed` and its output layer zero, so
+    /// the head starts as `init`; a block starts from `init`'s block (a copy of a layer).
     pub fn new(kind: HeadKind, init: &ExitHead, d: usize, seed: u64, dev: &Device) -> Result<Self> {
+        if kind == HeadKind::Block {
+            let ExitHead::Block(b) = init else {
+                return Err(crate::ExitsError::Invalid(
+                    "a block head starts from a block (a copy of a model layer)".into(),
+                ));
+            };
+            let vars = b
+                .params
+                .iter()
+                .map(Var::from_tensor)
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            return Ok(Self {
+                kind,
+                params: Params::Block {
+                    cfg: b.cfg.clone(),
+                    vars,
+                },
+            });
+        }
         let (a_t, b) = match init {
             ExitHead::Affine { weight_t, bias } | ExitHead::Mlp { weight_t, bias, .. } => {
                 (weight_t.clone(), bias.clone())
             }
-            ExitHead::Identity => (
+            ExitHead::Identity | ExitHead::Block(_) => (
                 Tensor::eye(d, DType::F32, dev)?,
                 Tensor::zeros(d, DType::F32, dev)?,
             ),
@@ -122,68 +154,105 @@ impl Trainable {
         };
         Ok(Self {
             kind,
-            a_t: Var::from_tensor(&a_t.to_dtype(DType::F32)?)?,
-            b: Var::from_tensor(&b.to_dtype(DType::F32)?)?,
-            mlp,
+            params: Params::Rows {
+                a_t: Var::from_tensor(&a_t.to_dtype(DType::F32)?)?,
+                b: Var::from_tensor(&b.to_dtype(DType::F32)?)?,
+                mlp,
+            },
         })
+    }
+
+    pub fn kind(&self) -> HeadKind {
+        self.kind
     }
 
     pub fn vars(&self) -> Vec<Var> {
-        let mut v = vec![self.a_t.clone(), self.b.clone()];
-        if let Some((w1, b1, w2)) = &self.mlp {
-            v.extend([w1.clone(), b1.clone(), w2.clone()]);
-        }
-        v
-    }
-
-    /// The head on hidden rows `[rows, d_model]`, tracked for autograd.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let lin = x
-            .matmul(self.a_t.as_tensor())?
-            .broadcast_add(self.b.as_tensor())?;
-        Ok(match &self.mlp {
-            None => lin,
-            Some((w1, b1, w2)) => {
-                let mid = rms(x)?
-                    .matmul(w1.as_tensor())?
-                    .broadcast_add(b1.as_tensor())?
-                    .silu()?;
-                (lin + mid.matmul(w2.as_tensor())?)?
+        match &self.params {
+            Params::Rows { a_t, b, mlp } => {
+                let mut v = vec![a_t.clone(), b.clone()];
+                if let Some((w1, b1, w2)) = mlp {
+                    v.extend([w1.clone(), b1.clone(), w2.clone()]);
+                }
+                v
             }
-        })
+            Params::Block { vars, .. } => vars.clone(),
+        }
     }
 
-    /// A copy of the trained head, outside the graph.
+    /// The head on hidden rows `[rows, d_model]`, tracked for autograd. A block head takes
+    /// the rows as one sequence from position 0.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.params {
+            Params::Rows { a_t, b, mlp } => {
+                let lin = x.matmul(a_t.as_tensor())?.broadcast_add(b.as_tensor())?;
+                Ok(match mlp {
+                    None => lin,
+                    Some((w1, b1, w2)) => {
+                        let mid = rms(x)?
+                            .matmul(w1.as_tensor())?
+                            .broadcast_add(b1.as_tensor())?
+                            .silu()?;
+                        (lin + mid.matmul(w2.as_tensor())?)?
+                    }
+                })
+            }
+            Params::Block { cfg, vars } => {
+                let block = BlockHead {
+                    cfg: cfg.clone(),
+                    params: vars.iter().map(|v| v.as_tensor().clone()).collect(),
+                };
+                block.forward(x, 0, None)
+            }
+        }
+    }
+
+    /// A copy of the trained head, outside the graph (`copy` alone would record the copy,
+    /// and everything computed from the head would then carry a graph back to the variables).
     pub fn to_head(&self) -> Result<ExitHead> {
-        let t = |v: &Var| v.as_tensor().copy();
-        Ok(match (&self.kind, &self.mlp) {
-            (HeadKind::Mlp, Some((w1, b1, w2))) => ExitHead::Mlp {
-                weight_t: t(&self.a_t)?,
-                bias: t(&self.b)?,
+        let t = |v: &Var| v.as_tensor().copy().map(|c| c.detach());
+        Ok(match &self.params {
+            Params::Rows {
+                a_t,
+                b,
+                mlp: Some((w1, b1, w2)),
+            } if self.kind == HeadKind::Mlp => ExitHead::Mlp {
+                weight_t: t(a_t)?,
+                bias: t(b)?,
                 w1_t: t(w1)?,
                 b1: t(b1)?,
                 w2_t: t(w2)?,
             },
-            _ => ExitHead::Affine {
-                weight_t: t(&self.a_t)?,
-                bias: t(&self.b)?,
+            Params::Rows { a_t, b, .. } => ExitHead::Affine {
+                weight_t: t(a_t)?,
+                bias: t(b)?,
             },
+            Params::Block { cfg, vars } => ExitHead::Block(Box::new(BlockHead {
+                cfg: cfg.clone(),
+                params: vars.iter().map(t).collect::<candle_core::Result<_>>()?,
+            })),
         })
+    }
+
+    fn names(&self) -> Vec<String> {
+        match &self.params {
+            Params::Rows { .. } => PARAM_NAMES.iter().map(|n| n.to_string()).collect(),
+            Params::Block { .. } => PARTS.iter().map(|n| format!("block.{n}")).collect(),
+        }
     }
 
     /// Named copies of the parameters, for a checkpoint.
     pub fn tensors(&self) -> Result<Vec<(String, Tensor)>> {
-        PARAM_NAMES
-            .iter()
+        self.names()
+            .into_iter()
             .zip(self.vars())
-            .map(|(n, v)| Ok((n.to_string(), v.as_tensor().copy()?)))
+            .map(|(n, v)| Ok((n, v.as_tensor().copy()?.detach())))
             .collect()
     }
 
     /// Restores tensors written by [`Trainable::tensors`].
     pub fn restore(&self, tensors: &std::collections::HashMap<String, Tensor>) -> Result<()> {
-        for (n, v) in PARAM_NAMES.iter().zip(self.vars()) {
-            let t = tensors.get(*n).ok_or_else(|| {
+        for (n, v) in self.names().iter().zip(self.vars()) {
+            let t = tensors.get(n).ok_or_else(|| {
                 crate::ExitsError::Invalid(format!("checkpoint has no tensor {n}"))
             })?;
             v.set(t)?;
@@ -203,12 +272,15 @@ pub struct BatchLoss {
     pub total: f64,
 }
 
-/// One batch: exit-depth rows, the final layer's log-probabilities for them, and the next
-/// tokens (`[rows]` u32).
+/// One batch: exit-depth rows, the final layer's log-probabilities for the scored ones, and
+/// their next tokens (`[rows]` u32).
 pub struct Batch<'a> {
     pub x: &'a Tensor,
     pub target_log_probs: &'a Tensor,
     pub next: &'a Tensor,
+    /// Rows of the head's output before the scored ones: 0 for row-wise heads; 1 for a block
+    /// head fed a whole document, whose position-0 row is attended to but not scored.
+    pub offset: usize,
 }
 
 /// The loss of `head` on `batch`, and the normed exit state with the loss's gradient with
@@ -219,8 +291,15 @@ fn loss_and_grad(
     batch: &Batch<'_>,
     ce_weight: f64,
 ) -> Result<(BatchLoss, Tensor, Tensor)> {
-    let rows = batch.x.dim(0)? as f64;
-    let z = frozen.norm(&head.forward(batch.x)?)?;
+    let scored = batch.next.dim(0)?;
+    let rows = scored as f64;
+    let y = head.forward(batch.x)?;
+    let y = if y.dim(0)? == scored {
+        y
+    } else {
+        y.narrow(0, batch.offset, scored)?
+    };
+    let z = frozen.norm(&y)?;
     let logp = candle_nn::ops::log_softmax(&frozen.logits(&z.detach())?, D::Minus1)?;
     let p = logp.exp()?;
     let pt = batch.target_log_probs.exp()?;
@@ -325,6 +404,7 @@ pub fn fit_probe(
     batch: usize,
     seed: u64,
 ) -> Result<ExitProbe> {
+    let features = &features.detach();
     let dev = features.device();
     let (rows, d) = features.dims2()?;
     let mean = features.mean_keepdim(0)?;
@@ -428,6 +508,7 @@ mod tests {
             x: &x,
             target_log_probs: &t,
             next: &next,
+            offset: 0,
         };
         let run = || -> Result<(BatchLoss, BatchLoss, Vec<f32>)> {
             let h = Trainable::new(HeadKind::Mlp, &ExitHead::Identity, d, 3, &Device::Cpu)?;
@@ -456,6 +537,7 @@ mod tests {
             x: &x,
             target_log_probs: &t,
             next: &next,
+            offset: 0,
         };
         let init = ExitHead::Affine {
             weight_t: tensor(d, d, 0.5, 4),
@@ -464,8 +546,13 @@ mod tests {
         let h = Trainable::new(HeadKind::Mlp, &init, d, 6, &Device::Cpu)?;
         // A non-zero output layer, so the MLP's first layer has a gradient too.
         h.vars()[4].set(&tensor(d, d, 0.5, 8))?;
-        let ce = 0.7;
-        let grads = gradients(&h, &f, &batch, ce)?;
+        assert_gradients_match(&h, &f, &batch, 0.7)
+    }
+
+    /// The gradient of every parameter of `h` at its first, middle and last entry matches a
+    /// central finite difference of the batch loss.
+    fn assert_gradients_match(h: &Trainable, f: &Frozen, batch: &Batch<'_>, ce: f64) -> Result<()> {
+        let grads = gradients(h, f, batch, ce)?;
         let eps = 1e-2f32;
         for (k, var) in h.vars().iter().enumerate() {
             let base = var.as_tensor().copy()?;
@@ -476,14 +563,15 @@ mod tests {
                     let mut v = flat.clone();
                     v[i] += delta;
                     var.set(&Tensor::from_vec(v, base.shape(), &Device::Cpu)?)?;
-                    Ok(batch_loss(&h, &f, &batch, ce)?.total)
+                    Ok(batch_loss(h, f, batch, ce)?.total)
                 };
                 let fd = (at(eps)? - at(-eps)?) / (2.0 * f64::from(eps));
                 var.set(&base)?;
                 let an = f64::from(g[i]);
                 assert!(
                     (fd - an).abs() <= 2e-3 + 2e-2 * an.abs(),
-                    "parameter {k}[{i}]: finite difference {fd}, gradient {an}"
+                    "parameter {k} ({}) [{i}]: finite difference {fd}, gradient {an}",
+                    h.names()[k]
                 );
             }
         }
@@ -516,6 +604,7 @@ mod tests {
                     x: &xb,
                     target_log_probs: &tb,
                     next: &nb,
+                    offset: 0,
                 };
                 train_step(&h, &mut opt, &f, &batch, 0.0)?;
             }
@@ -538,6 +627,124 @@ mod tests {
             let a = agreement_after_training(kind)?;
             assert!(a >= 0.99, "{}: agreement {a}", kind.as_str());
         }
+        Ok(())
+    }
+
+    fn block_cfg() -> BlockConfig {
+        BlockConfig {
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 4,
+            ffn_dim: 12,
+            rope_theta: 10_000.0,
+            rope_style: switchyard_weights::RopeStyle::HalfSplit,
+            norm_eps: 1e-6,
+            init_layer: 0,
+        }
+    }
+
+    #[test]
+    fn block_gradients_match_finite_differences() -> Result<()> {
+        let (d, vocab, rows) = (8, 20, 6);
+        let f = frozen(d, vocab);
+        let init = BlockHead::seeded(block_cfg(), d, 1.0, 4, &Device::Cpu)?;
+        let h = Trainable::new(
+            HeadKind::Block,
+            &ExitHead::Block(Box::new(init)),
+            d,
+            0,
+            &Device::Cpu,
+        )?;
+        // One sequence of `rows + 1` positions; the first is attended to, not scored.
+        let x = tensor(rows + 1, d, 1.0, 2);
+        let t = f.log_probs(&tensor(rows, d, 1.0, 3))?;
+        let next = next_tokens(rows, vocab);
+        let batch = Batch {
+            x: &x,
+            target_log_probs: &t,
+            next: &next,
+            offset: 1,
+        };
+        assert_gradients_match(&h, &f, &batch, 0.5)
+    }
+
+    #[test]
+    fn a_trained_block_learns_a_known_block_to_99_percent_agreement() -> Result<()> {
+        let (d, vocab, len) = (16, 64, 12);
+        let f = frozen(d, vocab);
+        // The final state is a known block of the exit's; training starts from a block with
+        // the same shape whose weights are off by about half their size (as a real block head
+        // starts from the model's last layer, not from the map it must learn).
+        let teacher = BlockHead::seeded(block_cfg(), d, 1.0, 41, &Device::Cpu)?;
+        let noise = BlockHead::seeded(block_cfg(), d, 0.5, 42, &Device::Cpu)?;
+        let start = BlockHead {
+            cfg: block_cfg(),
+            params: teacher
+                .params
+                .iter()
+                .zip(&noise.params)
+                .map(|(t, n)| {
+                    if t.rank() == 1 && t.dims() == [d] {
+                        Ok(t.clone())
+                    } else {
+                        t + n
+                    }
+                })
+                .collect::<candle_core::Result<_>>()?,
+        };
+        let h = Trainable::new(
+            HeadKind::Block,
+            &ExitHead::Block(Box::new(start)),
+            d,
+            0,
+            &Device::Cpu,
+        )?;
+        let seqs: Vec<Tensor> = (0..240).map(|i| tensor(len, d, 1.0, 100 + i)).collect();
+        let finals: Vec<Tensor> = seqs
+            .iter()
+            .map(|x| teacher.forward(x, 0, None))
+            .collect::<Result<_>>()?;
+        let next = next_tokens(len - 1, vocab);
+        let agreement = |h: &Trainable| -> Result<f64> {
+            let (mut same, mut total) = (0, 0);
+            for i in 200..240 {
+                let a = f
+                    .logits(&f.norm(&h.forward(&seqs[i])?)?)?
+                    .argmax(D::Minus1)?
+                    .to_vec1::<u32>()?;
+                let b = f
+                    .logits(&f.norm(&finals[i])?)?
+                    .argmax(D::Minus1)?
+                    .to_vec1::<u32>()?;
+                same += a.iter().zip(&b).filter(|(x, y)| x == y).count();
+                total += a.len();
+            }
+            Ok(same as f64 / total as f64)
+        };
+        let before = agreement(&h)?;
+        let mut opt = optimizer(&h, 3e-3)?;
+        for epoch in 0..40 {
+            // Step decay: 3e-3, then 1e-3 and 3e-4 for the last ten epochs each.
+            if epoch == 20 || epoch == 30 {
+                opt.set_learning_rate(opt.learning_rate() * 0.3);
+            }
+            for i in epoch_order(200, epoch) {
+                let t = f.log_probs(&finals[i].narrow(0, 1, len - 1)?)?;
+                let batch = Batch {
+                    x: &seqs[i],
+                    target_log_probs: &t,
+                    next: &next,
+                    offset: 1,
+                };
+                train_step(&h, &mut opt, &f, &batch, 0.0)?;
+            }
+        }
+        let after = agreement(&h)?;
+        assert!(
+            before < 0.9,
+            "the starting block already agrees on {before}"
+        );
+        assert!(after >= 0.99, "held-out agreement {before} -> {after}");
         Ok(())
     }
 

@@ -16,6 +16,7 @@ use super::cache::{CacheKey, HiddenCache};
 use super::cost::{CheckCost, StepTimer};
 use super::eval::{observe, score, HeadScores};
 use super::{epoch_order, fit_probe, optimizer, train_step, Batch, Frozen, Trainable};
+use crate::block::BlockHead;
 use crate::corpus::{Corpus, Split, HELD_OUT_EVERY};
 use crate::heads::{
     CalibrationInfo, ExitHead, ExitHeads, ExitProbe, HeadInfo, HeadKind, HeadsMeta, ModelRef,
@@ -160,12 +161,21 @@ pub fn ee_tune(
             n_layers,
         });
     }
-    if !matches!(cfg.kind, HeadKind::Affine | HeadKind::Mlp) {
+    if !matches!(cfg.kind, HeadKind::Affine | HeadKind::Mlp | HeadKind::Block) {
         return Err(ExitsError::Invalid(format!(
-            "ee-tune trains affine and mlp heads, not {}",
+            "ee-tune trains affine, mlp and block heads, not {}",
             cfg.kind.as_str()
         )));
     }
+    // A block starts as a copy of the last layer (EE-LLM's initialisation); checked before
+    // the cache is built, so an unsupported architecture fails at once.
+    let block_init = match cfg.kind {
+        HeadKind::Block => Some(ExitHead::Block(Box::new(BlockHead::from_model_layer(
+            model,
+            n_layers - 1,
+        )?))),
+        _ => None,
+    };
     let dev = model.device().clone();
     let d = model.spec().d_model;
     let open = |split: Split, rows: usize, name: &'static str, p: &mut dyn FnMut(TuneProgress)| {
@@ -219,7 +229,13 @@ pub fn ee_tune(
         }
 
         let seed = cfg.seed ^ ((depth as u64) << 32);
-        let trainable = Trainable::new(cfg.kind, &ridge, d, seed, &dev)?;
+        let trainable = Trainable::new(
+            cfg.kind,
+            block_init.as_ref().unwrap_or(&ridge),
+            d,
+            seed,
+            &dev,
+        )?;
         let resumed = match &ckpt {
             Some(c) => c.restore(depth, &trainable)?,
             None => false,
@@ -229,38 +245,71 @@ pub fn ee_tune(
             progress(TuneProgress::Resumed { depth });
         } else {
             let mut opt = optimizer(&trainable, cfg.lr)?;
-            let steps = train.rows().div_ceil(cfg.batch.max(1));
+            let mut step_on = |x: &Tensor, idx: &[usize], offset: usize| -> Result<f64> {
+                let idx = Tensor::from_vec(
+                    idx.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+                    idx.len(),
+                    &dev,
+                )?;
+                let target_lp = frozen.log_probs(&last_train.index_select(&idx, 0)?)?;
+                let next = next_train.index_select(&idx, 0)?;
+                let batch = Batch {
+                    x,
+                    target_log_probs: &target_lp,
+                    next: &next,
+                    offset,
+                };
+                Ok(train_step(&trainable, &mut opt, &frozen, &batch, cfg.ce_weight)?.total)
+            };
+            // Row-wise heads train on shuffled batches of rows; a block on one whole document
+            // per step (its position-0 row attended to, not scored), documents shuffled.
+            let sequential = cfg.kind == HeadKind::Block;
+            let units = if sequential {
+                train.documents()
+            } else {
+                train.rows()
+            };
+            let per_step = if sequential { 1 } else { cfg.batch.max(1) };
+            let steps = units.div_ceil(per_step);
             for epoch in 0..cfg.epochs {
-                let order = epoch_order(train.rows(), seed ^ epoch as u64);
+                let order = epoch_order(units, seed ^ epoch as u64);
                 let mut sum = 0.0;
-                for (step, chunk) in order.chunks(cfg.batch.max(1)).enumerate() {
-                    let idx = Tensor::from_vec(
-                        chunk.iter().map(|&i| i as u32).collect::<Vec<_>>(),
-                        chunk.len(),
-                        &dev,
-                    )?;
-                    let x = x_train.index_select(&idx, 0)?;
-                    let target_lp = frozen.log_probs(&last_train.index_select(&idx, 0)?)?;
-                    let next = next_train.index_select(&idx, 0)?;
-                    let batch = Batch {
-                        x: &x,
-                        target_log_probs: &target_lp,
-                        next: &next,
+                for (step, chunk) in order.chunks(per_step).enumerate() {
+                    let (loss, rows) = if sequential {
+                        let doc = chunk[0];
+                        let idx: Vec<usize> = train.doc_rows(doc).collect();
+                        let x = train.document(slot, doc, &dev)?;
+                        (step_on(&x, &idx, 1)?, idx.len())
+                    } else {
+                        let idx = Tensor::from_vec(
+                            chunk.iter().map(|&i| i as u32).collect::<Vec<_>>(),
+                            chunk.len(),
+                            &dev,
+                        )?;
+                        let x = x_train.index_select(&idx, 0)?;
+                        (step_on(&x, chunk, 0)?, chunk.len())
                     };
-                    let loss = train_step(&trainable, &mut opt, &frozen, &batch, cfg.ce_weight)?;
-                    sum += loss.total * chunk.len() as f64;
+                    sum += loss * rows as f64;
                     progress(TuneProgress::Train {
                         depth,
                         epoch,
                         step: step + 1,
                         steps,
-                        loss: loss.total,
+                        loss,
                     });
                 }
                 epoch_loss.push(sum / train.rows().max(1) as f64);
             }
         }
         let head = trainable.to_head()?;
+        // A block head's output on every cached row, run document by document; row-wise heads
+        // are applied row by row where they are scored.
+        let seq_train = translate_docs(&head, &train, slot, &dev)?;
+        let seq_eval = translate_docs(&head, &held, slot, &dev)?;
+        let (scored, x_train_scored, x_eval_scored) = match (&seq_train, &seq_eval) {
+            (Some(t), Some(e)) => (&ExitHead::Identity, t, e),
+            _ => (&head, &x_train, &x_eval),
+        };
         let probe = match &ckpt {
             Some(c) if resumed => c.probe(depth, &dev)?,
             _ => None,
@@ -268,14 +317,21 @@ pub fn ee_tune(
         let probe = match probe {
             Some(p) => p,
             None => {
-                let (features, labels) = probe_data(&head, &frozen, &x_train, &last_train)?;
+                let (features, labels) = probe_data(scored, &frozen, x_train_scored, &last_train)?;
                 fit_probe(&features, &labels, PROBE_EPOCHS, 256, seed)?
             }
         };
         if let (Some(c), false) = (&ckpt, resumed) {
             c.save(depth, &trainable, &probe)?;
         }
-        let o = observe(&head, Some(&probe), &frozen, &x_eval, &last_eval, next_eval)?;
+        let o = observe(
+            scored,
+            Some(&probe),
+            &frozen,
+            x_eval_scored,
+            &last_eval,
+            next_eval,
+        )?;
         let s = score(depth, cfg.kind.as_str(), &o, held.meta.bytes);
         infos.push(HeadInfo {
             depth,
@@ -283,6 +339,7 @@ pub fn ee_tune(
             lambda_rel: Some(cfg.lambda_rel),
             validation_r2: None,
             validation_r2_identity: None,
+            block: None,
             trained: Some(TrainedInfo {
                 epochs: cfg.epochs,
                 tokens: train.rows() as u64,
@@ -401,13 +458,36 @@ pub fn score_heads(
                 continue;
             };
             let probe = heads.probe(depth);
-            let o = observe(head, probe, &frozen, &x, &last, next)?;
+            let o = match translate_docs(head, &held, slot, &dev)? {
+                Some(y) => observe(&ExitHead::Identity, probe, &frozen, &y, &last, next)?,
+                None => observe(head, probe, &frozen, &x, &last, next)?,
+            };
             let label = format!("{name} ({})", head.kind().as_str());
             rows.push(score(depth, &label, &o, held.meta.bytes));
             costs.push(steps.cost(depth, &label, head, probe)?);
         }
     }
     Ok((rows, costs, full_bpb))
+}
+
+/// A sequential (block) head's output on every row of `cache` at `slot`, document by
+/// document, each from its position 0; `None` for row-wise heads.
+fn translate_docs(
+    head: &ExitHead,
+    cache: &HiddenCache,
+    slot: usize,
+    dev: &candle_core::Device,
+) -> Result<Option<Tensor>> {
+    if !head.is_sequential() {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(cache.documents());
+    for doc in 0..cache.documents() {
+        let rows = cache.doc_rows(doc).len();
+        let y = head.translate_seq(&cache.document(slot, doc, dev)?, 0, None)?;
+        out.push(y.narrow(0, 1, rows)?);
+    }
+    Ok(Some(Tensor::cat(&out, 0)?))
 }
 
 /// The ridge solution mapping exit rows to final rows (the tuned lens), the starting point.
