@@ -130,3 +130,60 @@ fn smollm2_drafts_for_itself_from_layer_21() {
         None => eprintln!("no calibrated heads at {}; skipped", heads_path.display()),
     }
 }
+
+/// A block head drafting: a copy of the last layer at depth 29 of 30 is the model's own last
+/// layer, so nearly every draft is accepted if, and only if, the block's K/V stay aligned with
+/// the sequence through every round's rollback; the output is the model's greedy output.
+#[test]
+fn smollm2_drafts_through_a_block_head_with_its_own_kv() -> anyhow::Result<()> {
+    use switchyard_exits::block::BlockHead;
+    use switchyard_exits::heads::{model_ref, HeadsMeta, FORMAT_VERSION};
+    use switchyard_exits::ExitHead;
+
+    let (_, model, tok) = load("smollm2-135m-instruct");
+    let prompt = chat_prompt(&tok, "Write a short poem about the sea.");
+    let params = SamplingParams::greedy(TOKENS);
+    let plain = generate(&model, &tok, &prompt, &params, |_| {})?;
+    let n = model.n_layers();
+    let block = BlockHead::from_model_layer(&model, n - 1)?;
+    let meta = HeadsMeta {
+        format_version: FORMAT_VERSION,
+        model: model_ref(&model, "smollm2-135m-instruct", String::new(), 0),
+        heads: Vec::new(),
+        calibration: None,
+    };
+    let heads = ExitHeads::new(
+        meta,
+        std::collections::BTreeMap::from([
+            (n - 1, ExitHead::Block(Box::new(block.clone()))),
+            (24, ExitHead::Block(Box::new(block))),
+        ]),
+    )?;
+    // Drafting from depth 24 through the untrained copy rejects drafts, so rounds roll the
+    // block's K/V back; a misaligned cache would stop the round with an error.
+    let early = SelfSpeculativeDecoder::new(&model, &heads, 24)?.generate(
+        &tok,
+        &prompt,
+        &params,
+        |_| {},
+    )?;
+    report("smollm2 self, block head at 24", &plain, &early);
+    assert_eq!(early.generation.tokens, plain.tokens);
+    assert!(
+        early.stats.accepted < early.stats.drafted,
+        "{:?}",
+        early.stats
+    );
+    let dec = SelfSpeculativeDecoder::new(&model, &heads, n - 1)?;
+    let spec = dec.generate(&tok, &prompt, &params, |_| {})?;
+    report("smollm2 self, block head at 29", &plain, &spec);
+    assert_eq!(spec.generation.tokens, plain.tokens);
+    assert!(
+        spec.stats.acceptance_rate() >= 0.9,
+        "acceptance {} ({} of {})",
+        spec.stats.acceptance_rate(),
+        spec.stats.accepted,
+        spec.stats.drafted
+    );
+    Ok(())
+}
