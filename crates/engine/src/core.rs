@@ -20,7 +20,7 @@ use serde::Serialize;
 use switchyard_models::{ForwardBatch, LayeredModel, SeqChunk, SeqKv};
 use switchyard_request::{FinishReason, SamplingParams};
 
-use crate::exit::{ExitHead, LogitLens};
+use crate::exit::{ExitHead, ExitSpan, LogitLens};
 use crate::kv::{
     activation_bytes, BlockLayout, BlockPool, KvFormat, MemoryBudget, RerunKv, Usage, BLOCK_TOKENS,
 };
@@ -220,7 +220,7 @@ impl EngineCore {
     ) -> Result<Self> {
         let depth = resident_prefix(&model)?;
         let spec = model.spec();
-        if let Some(why) = exit.unservable() {
+        if let Some(why) = exit.unservable(cfg.scheduler.prefix_caching) {
             return Err(EngineError::BadConfig(why));
         }
         if cfg.block_tokens == 0 {
@@ -279,6 +279,11 @@ impl EngineCore {
         &self.scheduler
     }
 
+    /// The exit head the engine reads logits through.
+    pub fn exit_head(&self) -> &dyn ExitHead {
+        self.exit.as_ref()
+    }
+
     pub fn depth(&self) -> usize {
         self.scheduler.depth()
     }
@@ -315,6 +320,7 @@ impl EngineCore {
     /// Ends a request wherever it is and frees its blocks; whether it was there.
     pub fn abort(&mut self, id: RequestId) -> bool {
         self.requests.remove(&id);
+        self.exit.release(id);
         self.scheduler.remove(id)
     }
 
@@ -330,6 +336,7 @@ impl EngineCore {
         };
         for (id, end) in &plan.ended {
             self.requests.remove(id);
+            self.exit.release(*id);
             match *end {
                 SeqEnd::Finished(reason) => result.outputs.push(TokenOutput {
                     id: *id,
@@ -370,6 +377,7 @@ impl EngineCore {
                         .map_or(0, |s| s.cached_tokens());
                     if u.finish.is_some() {
                         self.requests.remove(&u.id);
+                        self.exit.release(u.id);
                     }
                     result.outputs.push(TokenOutput {
                         id: u.id,
@@ -423,10 +431,12 @@ impl EngineCore {
             .transpose()?;
         let (probes, threshold) = match (&self.probe, &idx) {
             (Some(p), Some(_)) => (
+                // A sequential head needs every row of every step at its depth; a probe
+                // looks at sampled rows only, so those depths are not probed.
                 p.depths
                     .iter()
                     .copied()
-                    .filter(|&d| d > 0 && d < depth)
+                    .filter(|&d| d > 0 && d < depth && !self.exit.is_sequential(d))
                     .collect::<Vec<_>>(),
                 p.threshold,
             ),
@@ -480,15 +490,23 @@ impl EngineCore {
             }
             self.model.forward_layers(x, start..depth, &mut batch)?
         };
+        let sequential = depth < self.model.n_layers() && self.exit.is_sequential(depth);
+        if sequential && idx.is_none() {
+            // No row is sampled, yet the head's K/V must take these rows.
+            self.exit
+                .sequence_logits(&self.model, &hidden, depth, &spans(plan))?;
+        }
         let Some(idx) = idx else {
             return Ok((Vec::new(), HashMap::new()));
         };
-        let picked = hidden.index_select(&idx, 0)?;
-        let logits = self
-            .exit
-            .exit_logits(&self.model, &picked, depth)?
-            .to_dtype(DType::F32)?
-            .to_vec2::<f32>()?;
+        let logits = if sequential {
+            self.exit
+                .sequence_logits(&self.model, &hidden, depth, &spans(plan))?
+        } else {
+            let picked = hidden.index_select(&idx, 0)?;
+            self.exit.exit_logits(&self.model, &picked, depth)?
+        };
+        let logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         let _span = tracing::debug_span!("sample", rows = rows.len()).entered();
         let mut sampled = Vec::with_capacity(rows.len());
         let mut exits = HashMap::with_capacity(rows.len());
@@ -798,4 +816,17 @@ fn resident_prefix(model: &LayeredModel) -> Result<usize> {
         return Err(EngineError::ResidentNotPrefix { resident });
     }
     Ok(n)
+}
+
+/// The exit seam's view of a plan: each scheduled sequence's rows, in the forward's order.
+fn spans(plan: &SchedulerOutput) -> Vec<ExitSpan> {
+    plan.scheduled
+        .iter()
+        .map(|s| ExitSpan {
+            id: s.id,
+            start: s.start,
+            n: s.n,
+            sample: s.sample,
+        })
+        .collect()
 }

@@ -34,7 +34,7 @@ pub use crate::core::{
     end_of_generation_tokens, max_prob, EngineConfig, EngineCore, EngineRequest, EngineStats,
     ExitProbe, MemoryStats, StepResult, TokenOutput, DEFAULT_MEMORY_BUDGET,
 };
-pub use exit::{ExitHead, LogitLens};
+pub use exit::{sampled_rows, ExitHead, ExitSpan, LogitLens};
 pub use external::RequestBackend;
 pub use generate::{generate, Generation, GenerationTiming};
 pub use handle::{EngineHandle, EngineInfo, Pending, RequestStream};

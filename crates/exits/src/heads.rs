@@ -287,11 +287,26 @@ pub struct CalibrationInfo {
 }
 
 /// The exit heads of one model, by depth.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct ExitHeads {
     meta: HeadsMeta,
     heads: BTreeMap<usize, ExitHead>,
     probes: BTreeMap<usize, ExitProbe>,
+    /// Block heads' K/V of the sequences the batching engine serves through these heads, by
+    /// request id and depth ([`crate::engine_seam`]).
+    pub(crate) served: std::sync::Mutex<std::collections::HashMap<(u64, usize), BlockKv>>,
+}
+
+impl Clone for ExitHeads {
+    /// The heads and probes; a clone serves no sequences yet.
+    fn clone(&self) -> Self {
+        Self {
+            meta: self.meta.clone(),
+            heads: self.heads.clone(),
+            probes: self.probes.clone(),
+            served: Default::default(),
+        }
+    }
 }
 
 /// Current [`HeadsMeta::format_version`].
@@ -335,6 +350,7 @@ impl ExitHeads {
             meta,
             heads,
             probes: BTreeMap::new(),
+            served: Default::default(),
         })
     }
 
@@ -382,6 +398,20 @@ impl ExitHeads {
 
     pub fn iter(&self) -> impl Iterator<Item = (usize, &ExitHead)> {
         self.heads.iter().map(|(&d, h)| (d, h))
+    }
+
+    /// Refuses block heads for `user`, which moves sequences between depths: a block head's
+    /// K/V hold the positions that passed through it at its own depth only.
+    pub fn require_row_wise(&self, user: &str) -> Result<()> {
+        let blocks = self.sequential_depths();
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        Err(ExitsError::Invalid(format!(
+            "{user} moves sequences between depths, and the exit heads at depths {blocks:?} are \
+             block heads, whose K/V hold only the positions served at their own depth; use \
+             affine or mlp heads"
+        )))
     }
 
     /// Depths whose head attends over its sequence (block heads).

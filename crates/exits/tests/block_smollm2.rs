@@ -249,3 +249,117 @@ fn a_short_block_run_trains_scores_saves_and_resumes() -> anyhow::Result<()> {
     assert_eq!(params(&heads)?, params(&again)?);
     Ok(())
 }
+
+/// Fixed-depth batched serving through a block head: the engine, holding layers 0..21, serves
+/// three requests at once through a block at depth 21 and gives each the tokens per-token
+/// decoding gives at that exit; the heads hold K/V only while the requests run; prefix caching
+/// (which skips positions) is refused with the reason.
+#[test]
+fn the_batching_engine_serves_a_block_head_at_fixed_depth() -> anyhow::Result<()> {
+    use switchyard_engine::{EngineConfig, EngineCore, EngineRequest, RequestId, SchedulerConfig};
+    use switchyard_request::SamplingParams;
+
+    let (_, full, tokenizer) = open(WeightFormat::AsStored)?;
+    let depth = 21;
+    let heads = block_heads(&full, depth)?;
+    let prompts: Vec<Vec<u32>> = [
+        TEXT,
+        "Once upon a time, in a small village by the sea,",
+        "def fibonacci(n):",
+    ]
+    .iter()
+    .map(|t| tokenizer.encode(t, true, false))
+    .collect::<Result<_, _>>()?;
+    let new_tokens = 6;
+    // The reference: per-token decoding, every token leaving at the block.
+    let mut want = Vec::new();
+    for p in &prompts {
+        let policy = ExitPolicy {
+            threshold: 0.0,
+            measure: ConfidenceMeasure::MaxProb,
+            depths: vec![depth],
+            probe: false,
+        };
+        let mut dec = EarlyExitDecoder::new(&full, &heads, policy, KvFix::Recompute)?;
+        let (&last, head) = p.split_last().expect("a prompt");
+        dec.prefill(head)?;
+        let mut token = last;
+        let mut out = Vec::new();
+        for _ in 0..new_tokens {
+            token = argmax(&dec.step(token)?.logits);
+            out.push(token);
+        }
+        want.push(out);
+    }
+
+    let shallow = |prefix_caching: bool| -> anyhow::Result<EngineCore> {
+        let src = switchyard_weights::open(&switchyard_zoo::ensure(MODEL)?)?;
+        let model = LayeredModel::load(
+            src,
+            &LoadOptions {
+                layers: Some(depth),
+                ..LoadOptions::default()
+            },
+        )?;
+        let cfg = EngineConfig {
+            scheduler: SchedulerConfig {
+                prefix_caching,
+                ..SchedulerConfig::default()
+            },
+            ..EngineConfig::default()
+        };
+        let eog = switchyard_engine::end_of_generation_tokens(&tokenizer);
+        Ok(EngineCore::with_exit(
+            model,
+            Box::new(block_heads(&full, depth)?),
+            eog,
+            cfg,
+        )?)
+    };
+    match shallow(true) {
+        Err(e) => assert!(
+            e.to_string().contains("serve them with prefix caching off"),
+            "{e}"
+        ),
+        Ok(_) => panic!("prefix caching with a block head was accepted"),
+    }
+    let mut engine = shallow(false)?;
+    assert_eq!(engine.depth(), depth);
+    for (i, p) in prompts.iter().enumerate() {
+        let mut params = SamplingParams::greedy(new_tokens);
+        params.ignore_eos = true;
+        engine.add_request(
+            RequestId(i as u64),
+            EngineRequest {
+                prompt: p.clone(),
+                params,
+            },
+        )?;
+    }
+    let mut got = vec![Vec::new(); prompts.len()];
+    let mut largest_batch = 0;
+    let mut held = 0;
+    for _ in 0..100 {
+        let r = engine.step();
+        assert!(r.failed.is_empty(), "{:?}", r.failed);
+        largest_batch = largest_batch.max(r.batch);
+        held = held.max(engine.exit_head().state_bytes());
+        for o in r.outputs {
+            if let Some(t) = o.token {
+                got[o.id.0 as usize].push(t);
+            }
+        }
+        if got.iter().all(|g| g.len() == new_tokens) {
+            break;
+        }
+    }
+    assert_eq!(got, want);
+    assert_eq!(largest_batch, prompts.len());
+    // K/V of 3 K/V heads of 64 f32 values, K and V, per position held. Read after each step:
+    // the largest is after the next-to-last step (every position but the last token's); the
+    // last step finishes and releases all three.
+    let positions: usize = prompts.iter().map(|p| p.len() + new_tokens - 2).sum();
+    assert_eq!(held, positions * 2 * 3 * 64 * 4);
+    assert_eq!(engine.exit_head().state_bytes(), 0);
+    Ok(())
+}

@@ -274,9 +274,19 @@ fn block_heads_round_trip_bit_identically_and_refuse_rows_alone() -> anyhow::Res
             ),
         }
         let seam: &dyn switchyard_engine::ExitHead = &back;
-        let why = seam.unservable().unwrap_or_default();
+        assert!(seam.is_sequential(1));
+        assert_eq!(seam.unservable(false), None);
+        let why = seam.unservable(true).unwrap_or_default();
         assert!(
             why.starts_with("the exit heads at depths [1] are block heads"),
+            "{why}"
+        );
+        let why = back
+            .require_row_wise("HELIOS")
+            .expect_err("HELIOS with block heads");
+        assert!(
+            why.to_string()
+                .starts_with("HELIOS moves sequences between depths"),
             "{why}"
         );
         // A head file for another model is refused.

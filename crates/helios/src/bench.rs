@@ -105,14 +105,16 @@ impl BenchCandidate {
 
     /// The entry's exit heads: calibrated ones beside the model file, or the logit lens.
     fn heads(&self, model: &LayeredModel) -> Result<ExitHeads> {
-        Ok(match self.entry.exit_heads {
+        let heads = match self.entry.exit_heads {
             Some(ExitHeadsKind::Tuned) => {
                 let fp = switchyard_exits::fingerprint::fingerprint(&self.path)?;
                 let file = switchyard_exits::file::default_heads_path(&self.path);
                 switchyard_exits::file::load(&file, model, &fp)?
             }
             _ => ExitHeads::logit_lens(model, &self.entry.name, &self.entry.exit_layers)?,
-        })
+        };
+        heads.require_row_wise("HELIOS")?;
+        Ok(heads)
     }
 
     /// A serving engine with the entry's exit heads inside `budget` bytes.

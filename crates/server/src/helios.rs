@@ -78,6 +78,9 @@ impl HeliosModel {
                 _ => ExitHeads::logit_lens(&model, &m.name, &m.exit_layers)
                     .map_err(|e| backend(&m.name, e))?,
             };
+            heads
+                .require_row_wise("HELIOS")
+                .map_err(|e| backend(&m.name, e))?;
             let cfg = EngineConfig {
                 memory_budget: share,
                 ..EngineConfig::default()
