@@ -196,11 +196,18 @@ fn a_short_run_trains_saves_reproduces_and_resumes() -> anyhow::Result<()> {
         shallowest.full_depth_step_ms > shallowest.step_head_check_ms,
         "{shallowest:?}"
     );
+    // So is a batch of 8 at that depth against the same batch at full depth.
+    assert!(
+        shallowest.batch_step_full_ms > shallowest.batch_step_exit_ms,
+        "{shallowest:?}"
+    );
     let json = serde_json::to_value(shallowest)?;
     for field in [
         "step_head_check_ms",
         "step_probe_check_ms",
         "full_depth_step_ms",
+        "batch_step_exit_ms",
+        "batch_step_full_ms",
     ] {
         assert!(json[field].as_f64().is_some_and(|v| v > 0.0), "{json}");
     }

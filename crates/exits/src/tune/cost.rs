@@ -20,6 +20,9 @@ use crate::{ExitsError, Result};
 
 /// Timed repetitions of every measurement (the median is reported).
 pub const REPS: usize = 20;
+/// Sequences in the batched decode step timed next to the batch-1 one: fixed-depth exit in
+/// batched serving runs every sequence of a step to the same depth and through the head.
+pub const BATCH: usize = 8;
 /// Positions in the KV cache when a decode step is timed: a short chat turn. At this length
 /// attention is a small share of a step for the models in the zoo, so the step's time is
 /// mostly the layers' weights and the exit check.
@@ -43,6 +46,12 @@ pub struct CheckCost {
     /// One full-depth decode step on the same context (every layer, final norm, LM head),
     /// timed in turn with this row's steps: what a step costs without early exit.
     pub full_depth_step_ms: f64,
+    /// One decode step of [`BATCH`] sequences (each on its own copy of the context): layers
+    /// `0..depth`, the head (a block head on each sequence's K/V) and the vocabulary head for
+    /// every row, as fixed-depth batched serving runs it.
+    pub batch_step_exit_ms: f64,
+    /// The same batch at full depth, timed in turn with it.
+    pub batch_step_full_ms: f64,
 }
 
 impl CheckCost {
@@ -56,6 +65,8 @@ impl CheckCost {
             "decode step to the exit + vocabulary-head check (ms)",
             "decode step to the exit + probe check (ms)",
             "full-depth decode step (ms)",
+            "batch-8 step, fixed depth (ms)",
+            "batch-8 step, full depth (ms)",
         ];
         cols.extend_from_slice(extra);
         format!("| {} |\n|{}\n", cols.join(" | "), "---|".repeat(cols.len()))
@@ -67,14 +78,16 @@ impl CheckCost {
         let mut s = String::new();
         let _ = write!(
             s,
-            "| {} | {} | {:.3} | {} | {:.3} | {} | {:.3} ",
+            "| {} | {} | {:.3} | {} | {:.3} | {} | {:.3} | {:.3} | {:.3} ",
             self.depth,
             self.head,
             self.head_check_ms,
             opt(self.probe_check_ms),
             self.step_head_check_ms,
             opt(self.step_probe_check_ms),
-            self.full_depth_step_ms
+            self.full_depth_step_ms,
+            self.batch_step_exit_ms,
+            self.batch_step_full_ms
         );
         s
     }
@@ -173,6 +186,39 @@ impl<'m> StepTimer<'m> {
         })
     }
 
+    /// Milliseconds of one decode step of [`BATCH`] sequences on copies of the context:
+    /// layers `0..depth`, then the head (`None`: full depth, the model's own output), then the
+    /// vocabulary head on every row.
+    fn batch_step_ms(&mut self, depth: usize, head: Option<&Checked<'_>>) -> Result<f64> {
+        let model = self.model;
+        self.kv.truncate(self.context);
+        let mut kvs: Vec<DenseKv> = (0..BATCH).map(|_| self.kv.clone()).collect();
+        let s = Instant::now();
+        let x = model.embed(&[self.token; BATCH])?;
+        let chunks = kvs
+            .iter_mut()
+            .map(|kv| switchyard_models::SeqChunk {
+                start: self.context,
+                n: 1,
+                kv: kv as &mut dyn switchyard_models::SeqKv,
+            })
+            .collect();
+        let mut b = ForwardBatch::new(chunks);
+        let h = model.forward_layers(x, 0..depth, &mut b)?;
+        let z = match head {
+            None => h,
+            Some(c) if c.kv.is_some() => {
+                let rows = (0..BATCH)
+                    .map(|i| c.translate(&h.narrow(0, i, 1)?))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&rows, 0)?
+            }
+            Some(c) => c.translate(&h)?,
+        };
+        model.logits(&z)?.argmax(D::Minus1)?.to_vec1::<u32>()?;
+        Ok(s.elapsed().as_secs_f64() * 1e3)
+    }
+
     /// `head` ready to check: a block head gets the K/V of the context at `depth`.
     fn checked<'h>(&self, depth: usize, head: &'h ExitHead) -> Result<Checked<'h>> {
         let kv = if head.is_sequential() && !self.prompt.is_empty() {
@@ -252,6 +298,16 @@ impl<'m> StepTimer<'m> {
                 full.push(f);
             }
         }
+        let mut batch_exit = Vec::with_capacity(REPS);
+        let mut batch_full = Vec::with_capacity(REPS);
+        for rep in 0..=REPS {
+            let a = self.batch_step_ms(depth, Some(head))?;
+            let f = self.batch_step_ms(n, None)?;
+            if rep > 0 {
+                batch_exit.push(a);
+                batch_full.push(f);
+            }
+        }
         Ok(CheckCost {
             depth,
             head: name.to_string(),
@@ -260,6 +316,8 @@ impl<'m> StepTimer<'m> {
             step_head_check_ms: median(step_head),
             step_probe_check_ms: probe.map(|_| median(step_probe)),
             full_depth_step_ms: median(full),
+            batch_step_exit_ms: median(batch_exit),
+            batch_step_full_ms: median(batch_full),
         })
     }
 }
@@ -285,6 +343,8 @@ mod tests {
             step_head_check_ms: 7.25,
             step_probe_check_ms: None,
             full_depth_step_ms: 16.0,
+            batch_step_exit_ms: 30.5,
+            batch_step_full_ms: 60.0,
         };
         let header = CheckCost::table_header(&["loss"]);
         let row = format!("{}| 1.0 |", c.cells());
@@ -295,7 +355,7 @@ mod tests {
         );
         assert_eq!(
             row,
-            "| 12 | affine | 1.500 | - | 7.250 | - | 16.000 | 1.0 |"
+            "| 12 | affine | 1.500 | - | 7.250 | - | 16.000 | 30.500 | 60.000 | 1.0 |"
         );
     }
 }
