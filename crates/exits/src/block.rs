@@ -288,8 +288,8 @@ impl BlockHead {
     }
 
     /// Normed, projected and roped K/V of rows `x` at positions `start..`, `[n_kv_heads, rows,
-    /// head_dim]` each, with the normed rows.
-    fn project_kv(&self, x: &Tensor, start: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    /// head_dim]` each.
+    fn project_kv(&self, x: &Tensor, start: usize) -> Result<(Tensor, Tensor)> {
         let c = &self.cfg;
         let rows = x.dim(0)?;
         let h = rms_norm(x, &self.params[ATTN_NORM], c.norm_eps)?;
@@ -305,14 +305,14 @@ impl BlockHead {
             .reshape((rows, c.n_kv_heads, c.head_dim))?
             .transpose(0, 1)?
             .contiguous()?;
-        Ok((h, k, v))
+        Ok((k, v))
     }
 
     /// Appends the K/V of rows `x` (positions `start..`) to `kv` without running the rest of
     /// the block: what an exit deeper than a token's own needs from it (K/V propagation).
     pub fn write_kv(&self, x: &Tensor, start: usize, kv: &mut BlockKv) -> Result<()> {
         check_start(kv, start)?;
-        let (_, k, v) = self.project_kv(x, start)?;
+        let (k, v) = self.project_kv(&x.to_dtype(DType::F32)?, start)?;
         kv.append(k, v)?;
         Ok(())
     }
@@ -321,50 +321,100 @@ impl BlockHead {
     /// attending to itself, the rows before it, and the positions `0..start` held by `kv`
     /// (whose K/V these rows then join). Without `kv`, `start` must be 0: one whole sequence.
     pub fn forward(&self, x: &Tensor, start: usize, kv: Option<&mut BlockKv>) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        self.forward_many(x, &mut [SeqRows { n, start, kv }])
+    }
+
+    /// The block on the rows of several sequences at once, `x` holding each sequence's rows
+    /// one after another in `seqs` order: the projections and the MLP run on all rows in one
+    /// product each (as a batched step runs a model layer); attention runs per sequence, on
+    /// its own K/V.
+    pub fn forward_many(&self, x: &Tensor, seqs: &mut [SeqRows<'_>]) -> Result<Tensor> {
         let c = &self.cfg;
         let x = x.to_dtype(DType::F32)?;
-        let rows = x.dim(0)?;
-        let (h, k, v) = self.project_kv(&x, start)?;
-        let (k, v) = match kv {
-            Some(kv) => {
-                check_start(kv, start)?;
-                kv.append(k, v)?
-            }
-            None if start == 0 => (k, v),
-            None => {
-                return Err(ExitsError::Internal(format!(
-                    "a block head at position {start} needs the K/V before it"
-                )))
-            }
-        };
-        let (cos, sin) = rope_tables(c, start, rows, x.device())?;
-        let q = self
-            .linear(&h, Q, true)?
-            .reshape((rows, c.n_heads, c.head_dim))?;
-        let q = rope(&q, &cos, &sin, c.rope_style)?
-            .transpose(0, 1)?
-            .contiguous()?;
+        let h = rms_norm(&x, &self.params[ATTN_NORM], c.norm_eps)?;
+        let (q_all, k_all, v_all) = (
+            self.linear(&h, Q, true)?,
+            self.linear(&h, K, true)?,
+            self.linear(&h, V, true)?,
+        );
         let group = c.n_heads / c.n_kv_heads;
-        let (k, v) = (repeat_kv(&k, group)?, repeat_kv(&v, group)?);
-        let len = k.dim(1)?;
         let scale = 1.0 / (c.head_dim as f64).sqrt();
-        let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
-        let scores = if rows > 1 {
-            scores.broadcast_add(&causal_mask(rows, len - rows, x.device())?)?
+        let mut outs = Vec::with_capacity(seqs.len());
+        let mut at = 0;
+        for s in seqs.iter_mut() {
+            let (rows, start) = (s.n, s.start);
+            let (cos, sin) = rope_tables(c, start, rows, x.device())?;
+            let heads = |t: &Tensor, n_heads: usize, roped: bool| -> Result<Tensor> {
+                let t = t
+                    .narrow(0, at, rows)?
+                    .reshape((rows, n_heads, c.head_dim))?;
+                let t = if roped {
+                    rope(&t, &cos, &sin, c.rope_style)?
+                } else {
+                    t
+                };
+                Ok(t.transpose(0, 1)?.contiguous()?)
+            };
+            let q = heads(&q_all, c.n_heads, true)?;
+            let k = heads(&k_all, c.n_kv_heads, true)?;
+            let v = heads(&v_all, c.n_kv_heads, false)?;
+            let (k, v) = match s.kv.as_deref_mut() {
+                Some(kv) => {
+                    check_start(kv, start)?;
+                    kv.append(k, v)?
+                }
+                None if start == 0 => (k, v),
+                None => {
+                    return Err(ExitsError::Internal(format!(
+                        "a block head at position {start} needs the K/V before it"
+                    )))
+                }
+            };
+            let (k, v) = (repeat_kv(&k, group)?, repeat_kv(&v, group)?);
+            let len = k.dim(1)?;
+            let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
+            let scores = if rows > 1 {
+                scores.broadcast_add(&causal_mask(rows, len - rows, x.device())?)?
+            } else {
+                scores
+            };
+            let probs = softmax_last(&scores)?;
+            outs.push(
+                probs
+                    .matmul(&v)?
+                    .transpose(0, 1)?
+                    .contiguous()?
+                    .reshape((rows, c.n_heads * c.head_dim))?,
+            );
+            at += rows;
+        }
+        if at != x.dim(0)? {
+            return Err(ExitsError::Internal(format!(
+                "{} rows for sequences of {at} rows",
+                x.dim(0)?
+            )));
+        }
+        let attn = if outs.len() == 1 {
+            outs.remove(0)
         } else {
-            scores
+            Tensor::cat(&outs, 0)?
         };
-        let probs = softmax_last(&scores)?;
-        let attn = probs
-            .matmul(&v)?
-            .transpose(0, 1)?
-            .contiguous()?
-            .reshape((rows, c.n_heads * c.head_dim))?;
         let x = (x + self.linear(&attn, O, false)?)?;
         let h = rms_norm(&x, &self.params[FFN_NORM], c.norm_eps)?;
         let mid = (self.linear(&h, GATE, false)?.silu()? * self.linear(&h, UP, false)?)?;
         Ok((x + self.linear(&mid, DOWN, false)?)?)
     }
+}
+
+/// One sequence's rows in [`BlockHead::forward_many`].
+pub struct SeqRows<'a> {
+    pub n: usize,
+    /// Position of the first row.
+    pub start: usize,
+    /// The K/V of positions `0..start`, which the rows join; `None`: the rows are a whole
+    /// sequence (`start` 0) and their K/V are not kept.
+    pub kv: Option<&'a mut BlockKv>,
 }
 
 fn check_start(kv: &BlockKv, start: usize) -> Result<()> {
@@ -539,6 +589,54 @@ mod tests {
             let short = b.forward(&x.narrow(0, 0, 4)?, 0, None)?;
             assert!(max_diff(&short, &whole.narrow(0, 0, 4)?) < 1e-5);
         }
+        Ok(())
+    }
+
+    #[test]
+    fn several_sequences_at_once_equal_each_on_its_own() -> Result<()> {
+        let d = 16;
+        let b = BlockHead::seeded(tiny_cfg(RopeStyle::Interleaved), d, 1.0, 5, &Device::Cpu)?;
+        let x = (rows(7, d, 11) * 3.0)?;
+        // Sequence A: positions 0..3 held, rows 3..5 new; sequence B: a whole sequence of 2;
+        // sequence C: positions 0..1 held, one new row.
+        let (mut a, mut c) = (BlockKv::default(), BlockKv::default());
+        b.forward(&x.narrow(0, 0, 3)?, 0, Some(&mut a))?;
+        b.forward(&x.narrow(0, 0, 1)?, 0, Some(&mut c))?;
+        let (mut a2, mut c2) = (a.clone(), c.clone());
+        let alone = Tensor::cat(
+            &[
+                b.forward(&x.narrow(0, 3, 2)?, 3, Some(&mut a))?,
+                b.forward(&x.narrow(0, 5, 2)?, 0, None)?,
+                b.forward(&x.narrow(0, 6, 1)?, 1, Some(&mut c))?,
+            ],
+            0,
+        )?;
+        let rows_in = Tensor::cat(
+            &[x.narrow(0, 3, 2)?, x.narrow(0, 5, 2)?, x.narrow(0, 6, 1)?],
+            0,
+        )?;
+        let together = b.forward_many(
+            &rows_in,
+            &mut [
+                SeqRows {
+                    n: 2,
+                    start: 3,
+                    kv: Some(&mut a2),
+                },
+                SeqRows {
+                    n: 2,
+                    start: 0,
+                    kv: None,
+                },
+                SeqRows {
+                    n: 1,
+                    start: 1,
+                    kv: Some(&mut c2),
+                },
+            ],
+        )?;
+        assert!(max_diff(&alone, &together) < 1e-5);
+        assert_eq!((a2.len(), c2.len()), (5, 2));
         Ok(())
     }
 

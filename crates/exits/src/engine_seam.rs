@@ -11,8 +11,8 @@ use candle_core::Tensor;
 use switchyard_engine::{sampled_rows, ExitSpan, RequestId};
 use switchyard_models::{LayeredModel, ModelError};
 
-use crate::block::BlockKv;
-use crate::heads::ExitHeads;
+use crate::block::{BlockKv, SeqRows};
+use crate::heads::{ExitHead, ExitHeads};
 
 fn model_err(e: crate::ExitsError) -> ModelError {
     match e {
@@ -56,29 +56,39 @@ impl switchyard_engine::ExitHead for ExitHeads {
             .served
             .lock()
             .map_err(|_| candle_core::Error::Msg("exit K/V lock poisoned".into()))?;
-        let mut at = 0;
-        let mut rows = Vec::new();
-        for s in spans {
-            let kv = served.entry((s.id.0, depth)).or_default();
-            if s.start == 0 {
-                *kv = BlockKv::default();
-            }
-            let y = head
-                .translate_seq(&hidden.narrow(0, at, s.n)?, s.start, Some(kv))
-                .map_err(model_err)?;
-            if s.sample {
-                rows.push(y.narrow(0, s.n - 1, 1)?);
-            }
-            at += s.n;
+        let ExitHead::Block(block) = head else {
+            return Err(
+                candle_core::Error::Msg("a sequential head that is not a block".into()).into(),
+            );
+        };
+        // Each span's K/V, taken out of the map for the step and put back after it.
+        let mut kvs: Vec<BlockKv> = spans
+            .iter()
+            .map(|s| {
+                let kv = served.remove(&(s.id.0, depth)).unwrap_or_default();
+                if s.start == 0 {
+                    BlockKv::default()
+                } else {
+                    kv
+                }
+            })
+            .collect();
+        let mut seqs: Vec<SeqRows<'_>> = spans
+            .iter()
+            .zip(kvs.iter_mut())
+            .map(|(s, kv)| SeqRows {
+                n: s.n,
+                start: s.start,
+                kv: Some(kv),
+            })
+            .collect();
+        let y = block.forward_many(hidden, &mut seqs);
+        drop(seqs);
+        for (s, kv) in spans.iter().zip(kvs) {
+            served.insert((s.id.0, depth), kv);
         }
-        if rows.is_empty() {
-            return Ok(Tensor::zeros(
-                (0, model.spec().vocab_size),
-                candle_core::DType::F32,
-                hidden.device(),
-            )?);
-        }
-        model.logits(&Tensor::cat(&rows, 0)?)
+        let y = y.map_err(model_err)?;
+        model.logits(&sampled_rows(&y, spans)?)
     }
 
     fn release(&self, id: RequestId) {

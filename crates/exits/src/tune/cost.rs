@@ -14,7 +14,7 @@ use candle_core::{Tensor, D};
 use serde::Serialize;
 use switchyard_models::{DenseKv, ForwardBatch, LayeredModel};
 
-use crate::block::BlockKv;
+use crate::block::{BlockKv, SeqRows};
 use crate::heads::{ExitHead, ExitProbe};
 use crate::{ExitsError, Result};
 
@@ -207,11 +207,22 @@ impl<'m> StepTimer<'m> {
         let h = model.forward_layers(x, 0..depth, &mut b)?;
         let z = match head {
             None => h,
-            Some(c) if c.kv.is_some() => {
-                let rows = (0..BATCH)
-                    .map(|i| c.translate(&h.narrow(0, i, 1)?))
-                    .collect::<Result<Vec<_>>>()?;
-                Tensor::cat(&rows, 0)?
+            Some(Checked {
+                head: ExitHead::Block(block),
+                kv: Some(kv),
+                at,
+            }) => {
+                // Each sequence on its own copy of the context's K/V, all rows at once.
+                let mut kvs: Vec<BlockKv> = (0..BATCH).map(|_| kv.clone()).collect();
+                let mut seqs: Vec<SeqRows<'_>> = kvs
+                    .iter_mut()
+                    .map(|kv| SeqRows {
+                        n: 1,
+                        start: *at,
+                        kv: Some(kv),
+                    })
+                    .collect();
+                block.forward_many(&h, &mut seqs)?
             }
             Some(c) => c.translate(&h)?,
         };
