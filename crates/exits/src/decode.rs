@@ -224,7 +224,7 @@ impl<'m> EarlyExitDecoder<'m> {
         let mut at = 0;
         for (&d, kv) in self.block_kv.iter_mut() {
             x = self.model.forward_layers(x, at..d, &mut b)?;
-            self.heads.head(d)?.translate_seq(&x, self.pos, Some(kv))?;
+            self.heads.head(d)?.write_kv(&x, self.pos, kv)?;
             at = d;
         }
         self.model

@@ -133,7 +133,7 @@ impl<'m> SelfSpeculativeDecoder<'m> {
             Some(bkv) => {
                 let mut batch = ForwardBatch::single(&mut kv, 0, prompt.len());
                 let x = model.forward_layers(model.embed(prompt)?, 0..d, &mut batch)?;
-                head.translate_seq(&x, 0, Some(bkv))?;
+                head.write_kv(&x, 0, bkv)?;
                 let h = model.forward_layers(x, d..n, &mut batch)?;
                 let last = h.narrow(0, prompt.len() - 1, 1)?;
                 model.logits(&last)?.flatten_all()?.to_vec1::<f32>()?

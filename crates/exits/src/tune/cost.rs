@@ -238,7 +238,7 @@ impl<'m> StepTimer<'m> {
             let mut b = ForwardBatch::single(&mut ctx, 0, self.prompt.len());
             let h = model.forward_layers(model.embed(&self.prompt)?, 0..depth, &mut b)?;
             let mut kv = BlockKv::default();
-            head.translate_seq(&h, 0, Some(&mut kv))?;
+            head.write_kv(&h, 0, &mut kv)?;
             Some(kv)
         } else if head.is_sequential() {
             Some(BlockKv::default())
