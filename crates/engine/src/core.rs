@@ -490,21 +490,16 @@ impl EngineCore {
             }
             self.model.forward_layers(x, start..depth, &mut batch)?
         };
-        let sequential = depth < self.model.n_layers() && self.exit.is_sequential(depth);
-        if sequential && idx.is_none() {
-            // No row is sampled, yet the head's K/V must take these rows.
-            self.exit
-                .sequence_logits(&self.model, &hidden, depth, &spans(plan))?;
-        }
-        let Some(idx) = idx else {
-            return Ok((Vec::new(), HashMap::new()));
-        };
-        let logits = if sequential {
+        let logits = if depth < self.model.n_layers() && self.exit.is_sequential(depth) {
+            // Every row goes to the head, sampled or not: its K/V take them all.
             self.exit
                 .sequence_logits(&self.model, &hidden, depth, &spans(plan))?
         } else {
-            let picked = hidden.index_select(&idx, 0)?;
-            self.exit.exit_logits(&self.model, &picked, depth)?
+            let Some(idx) = idx else {
+                return Ok((Vec::new(), HashMap::new()));
+            };
+            self.exit
+                .exit_logits(&self.model, &hidden.index_select(&idx, 0)?, depth)?
         };
         let logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         let _span = tracing::debug_span!("sample", rows = rows.len()).entered();

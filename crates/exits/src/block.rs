@@ -4,9 +4,8 @@
 //!
 //! Unlike the row-wise heads a block attends over its sequence, so it keeps K/V of its own per
 //! sequence ([`BlockKv`]). One forward serves both uses: training runs a whole document from
-//! position 0 without a cache, tracked by candle's autograd (every operation here is a core
-//! tensor operation with a backward pass: the softmax subtracts a detached maximum, rope is
-//! written with `narrow`/`cat`); decoding appends the new rows' K/V to the sequence's cache and
+//! position 0 without a cache, tracked by candle's autograd (every operation here has a
+//! backward pass: candle-nn's composed softmax, rope written with `narrow`/`cat`); decoding appends the new rows' K/V to the sequence's cache and
 //! attends over it. The model's own attention kernel is not reused: it writes f32 slices in
 //! place and has no backward pass.
 
@@ -271,13 +270,6 @@ impl BlockHead {
         Ok(())
     }
 
-    pub fn bytes(&self) -> usize {
-        self.params
-            .iter()
-            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-            .sum()
-    }
-
     fn linear(&self, x: &Tensor, w: usize, bias: bool) -> Result<Tensor> {
         let y = x.matmul(&self.params[w])?;
         Ok(if bias {
@@ -287,6 +279,24 @@ impl BlockHead {
         })
     }
 
+    /// Rows `at..at + n` of projected rows `t` as heads `[n_heads, n, head_dim]`, rotated by
+    /// the rope tables when given.
+    fn heads(
+        &self,
+        t: &Tensor,
+        (at, n): (usize, usize),
+        n_heads: usize,
+        rope_by: Option<(&Tensor, &Tensor)>,
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let t = t.narrow(0, at, n)?.reshape((n, n_heads, c.head_dim))?;
+        let t = match rope_by {
+            Some((cos, sin)) => rope(&t, cos, sin, c.rope_style)?,
+            None => t,
+        };
+        Ok(t.transpose(0, 1)?.contiguous()?)
+    }
+
     /// Normed, projected and roped K/V of rows `x` at positions `start..`, `[n_kv_heads, rows,
     /// head_dim]` each.
     fn project_kv(&self, x: &Tensor, start: usize) -> Result<(Tensor, Tensor)> {
@@ -294,18 +304,12 @@ impl BlockHead {
         let rows = x.dim(0)?;
         let h = rms_norm(x, &self.params[ATTN_NORM], c.norm_eps)?;
         let (cos, sin) = rope_tables(c, start, rows, x.device())?;
-        let k = self
-            .linear(&h, K, true)?
-            .reshape((rows, c.n_kv_heads, c.head_dim))?;
-        let k = rope(&k, &cos, &sin, c.rope_style)?
-            .transpose(0, 1)?
-            .contiguous()?;
-        let v = self
-            .linear(&h, V, true)?
-            .reshape((rows, c.n_kv_heads, c.head_dim))?
-            .transpose(0, 1)?
-            .contiguous()?;
-        Ok((k, v))
+        let k = self.linear(&h, K, true)?;
+        let v = self.linear(&h, V, true)?;
+        Ok((
+            self.heads(&k, (0, rows), c.n_kv_heads, Some((&cos, &sin)))?,
+            self.heads(&v, (0, rows), c.n_kv_heads, None)?,
+        ))
     }
 
     /// Appends the K/V of rows `x` (positions `start..`) to `kv` without running the rest of
@@ -345,20 +349,10 @@ impl BlockHead {
         for s in seqs.iter_mut() {
             let (rows, start) = (s.n, s.start);
             let (cos, sin) = rope_tables(c, start, rows, x.device())?;
-            let heads = |t: &Tensor, n_heads: usize, roped: bool| -> Result<Tensor> {
-                let t = t
-                    .narrow(0, at, rows)?
-                    .reshape((rows, n_heads, c.head_dim))?;
-                let t = if roped {
-                    rope(&t, &cos, &sin, c.rope_style)?
-                } else {
-                    t
-                };
-                Ok(t.transpose(0, 1)?.contiguous()?)
-            };
-            let q = heads(&q_all, c.n_heads, true)?;
-            let k = heads(&k_all, c.n_kv_heads, true)?;
-            let v = heads(&v_all, c.n_kv_heads, false)?;
+            let roped = Some((&cos, &sin));
+            let q = self.heads(&q_all, (at, rows), c.n_heads, roped)?;
+            let k = self.heads(&k_all, (at, rows), c.n_kv_heads, roped)?;
+            let v = self.heads(&v_all, (at, rows), c.n_kv_heads, None)?;
             let (k, v) = match s.kv.as_deref_mut() {
                 Some(kv) => {
                     check_start(kv, start)?;
@@ -379,7 +373,7 @@ impl BlockHead {
             } else {
                 scores
             };
-            let probs = softmax_last(&scores)?;
+            let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
             outs.push(
                 probs
                     .matmul(&v)?
@@ -427,8 +421,9 @@ fn check_start(kv: &BlockKv, start: usize) -> Result<()> {
     Ok(())
 }
 
-/// RMS norm with a scale, in differentiable operations.
-fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+/// RMS norm with a scale, in differentiable operations (a block's norms, and the model's
+/// final norm in training).
+pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?
         .broadcast_mul(weight)?)
@@ -510,14 +505,6 @@ fn causal_mask(rows: usize, past: usize, dev: &Device) -> Result<Tensor> {
         })
         .collect();
     Ok(Tensor::from_vec(m, (rows, len), dev)?)
-}
-
-/// Softmax over the last dimension; the maximum is subtracted detached, which leaves the
-/// gradient unchanged and needs no backward pass of `max`.
-fn softmax_last(x: &Tensor) -> Result<Tensor> {
-    let m = x.max_keepdim(D::Minus1)?.detach();
-    let e = x.broadcast_sub(&m)?.exp()?;
-    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
 }
 
 #[cfg(test)]

@@ -357,12 +357,11 @@ impl<'m> EarlyExitDecoder<'m> {
 
 /// The policy's depths whose head is a block.
 fn block_depths(heads: &ExitHeads, policy: &ExitPolicy) -> Vec<usize> {
-    let blocks = heads.sequential_depths();
     policy
         .depths
         .iter()
         .copied()
-        .filter(|d| blocks.contains(d))
+        .filter(|&d| heads.head(d).is_ok_and(|h| h.is_sequential()))
         .collect()
 }
 

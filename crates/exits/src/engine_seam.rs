@@ -48,19 +48,13 @@ impl switchyard_engine::ExitHead for ExitHeads {
         depth: usize,
         spans: &[ExitSpan],
     ) -> switchyard_models::Result<Tensor> {
-        let head = self.head(depth).map_err(model_err)?;
-        if !head.is_sequential() {
+        let ExitHead::Block(block) = self.head(depth).map_err(model_err)? else {
             return self.exit_logits(model, &sampled_rows(hidden, spans)?, depth);
-        }
+        };
         let mut served = self
             .served
             .lock()
             .map_err(|_| candle_core::Error::Msg("exit K/V lock poisoned".into()))?;
-        let ExitHead::Block(block) = head else {
-            return Err(
-                candle_core::Error::Msg("a sequential head that is not a block".into()).into(),
-            );
-        };
         // Each span's K/V, taken out of the map for the step and put back after it.
         let mut kvs: Vec<BlockKv> = spans
             .iter()
@@ -88,6 +82,15 @@ impl switchyard_engine::ExitHead for ExitHeads {
             served.insert((s.id.0, depth), kv);
         }
         let y = y.map_err(model_err)?;
+        if !spans.iter().any(|s| s.sample) {
+            // A step of prompt chunks only: the K/V took the rows; no logits are wanted.
+            let vocab = model.spec().vocab_size;
+            return Ok(Tensor::zeros(
+                (0, vocab),
+                candle_core::DType::F32,
+                y.device(),
+            )?);
+        }
         model.logits(&sampled_rows(&y, spans)?)
     }
 

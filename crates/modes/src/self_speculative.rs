@@ -27,7 +27,6 @@
 use std::time::Instant;
 
 use candle_core::Tensor;
-use switchyard_engine::generate::last_logits;
 use switchyard_engine::sampler::log_softmax_at;
 use switchyard_engine::{DecodedToken, GenerationTiming};
 use switchyard_exits::block::BlockKv;
@@ -128,16 +127,16 @@ impl<'m> SelfSpeculativeDecoder<'m> {
         let mut block_kv = head.is_sequential().then(BlockKv::default);
 
         let t0 = Instant::now();
-        let logits = match &mut block_kv {
-            None => last_logits(model, &mut kv, 0, prompt)?,
-            Some(bkv) => {
-                let mut batch = ForwardBatch::single(&mut kv, 0, prompt.len());
-                let x = model.forward_layers(model.embed(prompt)?, 0..d, &mut batch)?;
+        // The prompt through layers 0..d, where a block head's K/V take it, then the rest.
+        let logits = {
+            let mut batch = ForwardBatch::single(&mut kv, 0, prompt.len());
+            let x = model.forward_layers(model.embed(prompt)?, 0..d, &mut batch)?;
+            if let Some(bkv) = &mut block_kv {
                 head.write_kv(&x, 0, bkv)?;
-                let h = model.forward_layers(x, d..n, &mut batch)?;
-                let last = h.narrow(0, prompt.len() - 1, 1)?;
-                model.logits(&last)?.flatten_all()?.to_vec1::<f32>()?
             }
+            let h = model.forward_layers(x, d..n, &mut batch)?;
+            let last = h.narrow(0, prompt.len() - 1, 1)?;
+            model.logits(&last)?.flatten_all()?.to_vec1::<f32>()?
         };
         stats.target_forwards += 1;
         let first = sampler.sample(&sampler.dist(&logits, prompt));

@@ -111,23 +111,32 @@ fn median_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(median(t))
 }
 
-/// A head as a check runs it: a block head with its K/V of the fixed context, which every
-/// timed check extends by one position (on a copy, so each repetition sees the same context).
+/// A head as a check runs it: a block head with its K/V of the fixed context, which each row
+/// checked extends by one position on a copy of its own (so every repetition, and every
+/// sequence of a batch, sees the same context).
 struct Checked<'h> {
     head: &'h ExitHead,
-    kv: Option<BlockKv>,
+    /// The context's K/V at the head's depth; empty for row-wise heads.
+    kv: BlockKv,
     at: usize,
 }
 
 impl Checked<'_> {
-    fn translate(&self, row: &Tensor) -> Result<Tensor> {
-        match &self.kv {
-            Some(kv) => {
-                let mut kv = kv.clone();
-                self.head.translate_seq(row, self.at, Some(&mut kv))
-            }
-            None => self.head.translate(row),
-        }
+    /// Rows `[n, d_model]`, each the next position of its own sequence.
+    fn translate(&self, rows: &Tensor) -> Result<Tensor> {
+        let ExitHead::Block(block) = self.head else {
+            return self.head.translate(rows);
+        };
+        let mut kvs: Vec<BlockKv> = (0..rows.dim(0)?).map(|_| self.kv.clone()).collect();
+        let mut seqs: Vec<SeqRows<'_>> = kvs
+            .iter_mut()
+            .map(|kv| SeqRows {
+                n: 1,
+                start: self.at,
+                kv: Some(kv),
+            })
+            .collect();
+        block.forward_many(rows, &mut seqs)
     }
 }
 
@@ -207,23 +216,6 @@ impl<'m> StepTimer<'m> {
         let h = model.forward_layers(x, 0..depth, &mut b)?;
         let z = match head {
             None => h,
-            Some(Checked {
-                head: ExitHead::Block(block),
-                kv: Some(kv),
-                at,
-            }) => {
-                // Each sequence on its own copy of the context's K/V, all rows at once.
-                let mut kvs: Vec<BlockKv> = (0..BATCH).map(|_| kv.clone()).collect();
-                let mut seqs: Vec<SeqRows<'_>> = kvs
-                    .iter_mut()
-                    .map(|kv| SeqRows {
-                        n: 1,
-                        start: *at,
-                        kv: Some(kv),
-                    })
-                    .collect();
-                block.forward_many(&h, &mut seqs)?
-            }
             Some(c) => c.translate(&h)?,
         };
         model.logits(&z)?.argmax(D::Minus1)?.to_vec1::<u32>()?;
@@ -232,19 +224,14 @@ impl<'m> StepTimer<'m> {
 
     /// `head` ready to check: a block head gets the K/V of the context at `depth`.
     fn checked<'h>(&self, depth: usize, head: &'h ExitHead) -> Result<Checked<'h>> {
-        let kv = if head.is_sequential() && !self.prompt.is_empty() {
+        let mut kv = BlockKv::default();
+        if head.is_sequential() && !self.prompt.is_empty() {
             let model = self.model;
             let mut ctx = DenseKv::new(model.n_layers(), model.spec().kv_row_len());
             let mut b = ForwardBatch::single(&mut ctx, 0, self.prompt.len());
             let h = model.forward_layers(model.embed(&self.prompt)?, 0..depth, &mut b)?;
-            let mut kv = BlockKv::default();
             head.write_kv(&h, 0, &mut kv)?;
-            Some(kv)
-        } else if head.is_sequential() {
-            Some(BlockKv::default())
-        } else {
-            None
-        };
+        }
         Ok(Checked {
             head,
             kv,

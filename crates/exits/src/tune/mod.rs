@@ -59,9 +59,7 @@ impl Frozen {
 
     /// The final RMS norm in differentiable operations.
     pub fn norm(&self, h: &Tensor) -> Result<Tensor> {
-        let ms = h.sqr()?.mean_keepdim(D::Minus1)?;
-        let n = h.broadcast_div(&(ms + self.eps)?.sqrt()?)?;
-        Ok(n.broadcast_mul(&self.norm_weight)?)
+        crate::block::rms_norm(h, &self.norm_weight, self.eps)
     }
 
     /// Logits `[rows, vocab]` of normed rows.

@@ -245,14 +245,9 @@ pub fn ee_tune(
             progress(TuneProgress::Resumed { depth });
         } else {
             let mut opt = optimizer(&trainable, cfg.lr)?;
-            let mut step_on = |x: &Tensor, idx: &[usize], offset: usize| -> Result<f64> {
-                let idx = Tensor::from_vec(
-                    idx.iter().map(|&i| i as u32).collect::<Vec<_>>(),
-                    idx.len(),
-                    &dev,
-                )?;
-                let target_lp = frozen.log_probs(&last_train.index_select(&idx, 0)?)?;
-                let next = next_train.index_select(&idx, 0)?;
+            let mut step_on = |x: &Tensor, idx: &Tensor, offset: usize| -> Result<f64> {
+                let target_lp = frozen.log_probs(&last_train.index_select(idx, 0)?)?;
+                let next = next_train.index_select(idx, 0)?;
                 let batch = Batch {
                     x,
                     target_log_probs: &target_lp,
@@ -275,21 +270,20 @@ pub fn ee_tune(
                 let order = epoch_order(units, seed ^ epoch as u64);
                 let mut sum = 0.0;
                 for (step, chunk) in order.chunks(per_step).enumerate() {
-                    let (loss, rows) = if sequential {
-                        let doc = chunk[0];
-                        let idx: Vec<usize> = train.doc_rows(doc).collect();
-                        let x = train.document(slot, doc, &dev)?;
-                        (step_on(&x, &idx, 1)?, idx.len())
+                    // The scored rows: the document's, or the batch's.
+                    let rows: Vec<u32> = if sequential {
+                        train.doc_rows(chunk[0]).map(|r| r as u32).collect()
                     } else {
-                        let idx = Tensor::from_vec(
-                            chunk.iter().map(|&i| i as u32).collect::<Vec<_>>(),
-                            chunk.len(),
-                            &dev,
-                        )?;
-                        let x = x_train.index_select(&idx, 0)?;
-                        (step_on(&x, chunk, 0)?, chunk.len())
+                        chunk.iter().map(|&r| r as u32).collect()
                     };
-                    sum += loss * rows as f64;
+                    let n = rows.len();
+                    let idx = Tensor::from_vec(rows, n, &dev)?;
+                    let loss = if sequential {
+                        step_on(&train.document(slot, chunk[0], &dev)?, &idx, 1)?
+                    } else {
+                        step_on(&x_train.index_select(&idx, 0)?, &idx, 0)?
+                    };
+                    sum += loss * n as f64;
                     progress(TuneProgress::Train {
                         depth,
                         epoch,
