@@ -34,23 +34,8 @@ impl Sampler {
     /// `history`: prompt and generated tokens so far (for the repetition penalty).
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Sampled {
         let _span = tracing::trace_span!("sample").entered();
-        let p = &self.params;
-        let mut l = logits.to_vec();
-        if p.repetition_penalty != 1.0 {
-            let mut seen = vec![false; l.len()];
-            for &t in history {
-                let i = t as usize;
-                if i < l.len() && !seen[i] {
-                    seen[i] = true;
-                    l[i] = if l[i] > 0.0 {
-                        l[i] / p.repetition_penalty
-                    } else {
-                        l[i] * p.repetition_penalty
-                    };
-                }
-            }
-        }
-        let token = if p.is_greedy() {
+        let l = self.penalized(logits, history);
+        let token = if self.params.is_greedy() {
             argmax(&l)
         } else {
             self.draw(&l)
@@ -61,7 +46,30 @@ impl Sampler {
         }
     }
 
-    fn draw(&mut self, l: &[f32]) -> usize {
+    /// `logits` with the repetition penalty applied to every token in `history`.
+    fn penalized(&self, logits: &[f32], history: &[u32]) -> Vec<f32> {
+        let penalty = self.params.repetition_penalty;
+        let mut l = logits.to_vec();
+        if penalty != 1.0 {
+            let mut seen = vec![false; l.len()];
+            for &t in history {
+                let i = t as usize;
+                if i < l.len() && !seen[i] {
+                    seen[i] = true;
+                    l[i] = if l[i] > 0.0 {
+                        l[i] / penalty
+                    } else {
+                        l[i] * penalty
+                    };
+                }
+            }
+        }
+        l
+    }
+
+    /// The candidates a draw picks from (token ids) and their probabilities, after
+    /// temperature, top-k and top-p.
+    fn distribution(&self, l: &[f32]) -> (Vec<usize>, Vec<f64>) {
         let p = &self.params;
         let inv_t = 1.0 / p.temperature;
         // Candidates in descending logit order when a cut is needed; all tokens otherwise.
@@ -94,6 +102,11 @@ impl Sampler {
             probs.truncate(keep);
             idx.truncate(keep);
         }
+        (idx, probs)
+    }
+
+    fn draw(&mut self, l: &[f32]) -> usize {
+        let (idx, probs) = self.distribution(l);
         let total: f64 = probs.iter().sum();
         let mut u = self.rng.random::<f64>() * total;
         for (n, x) in probs.iter().enumerate() {
@@ -127,6 +140,7 @@ pub fn log_softmax_at(logits: &[f32], i: usize) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use switchyard_request::{MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SAMPLING_EPS};
 
     fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
         let mut p = SamplingParams {
@@ -208,6 +222,43 @@ mod tests {
         let want = 49.0 / 54.0;
         let got = c[2] as f64 / n as f64;
         assert!((got - want).abs() < 5.0 * (want * (1.0 - want) / n as f64).sqrt());
+    }
+
+    /// 1 / 1e-40 is infinite in f32: without the epsilon every logit became NaN and every
+    /// draw returned the last token id.
+    #[test]
+    fn a_temperature_below_the_epsilon_samples_the_greedy_token() {
+        let logits = [0.5f32, 3.0, 1.0, -2.0];
+        let mut s = Sampler::new(&params(|p| p.temperature = 1e-40));
+        for _ in 0..50 {
+            assert_eq!(s.sample(&logits, &[]).token, 1);
+        }
+    }
+
+    /// At the smallest temperature and the strongest penalties allowed, the logits a draw
+    /// uses stay finite and its probabilities sum to 1.
+    #[test]
+    fn the_bounds_keep_logits_finite() {
+        let logits = [80.0f32, -75.0, 79.5, 0.0, -1e4];
+        for penalty in [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY] {
+            let p = params(|p| {
+                p.temperature = SAMPLING_EPS;
+                p.repetition_penalty = penalty;
+            });
+            p.validate().expect("the bounds are valid");
+            let s = Sampler::new(&p);
+            let l = s.penalized(&logits, &[0, 1, 2, 3, 4]);
+            assert!(l.iter().all(|x| x.is_finite()), "{penalty}: {l:?}");
+            let (_, probs) = s.distribution(&l);
+            assert!(probs.iter().all(|x| x.is_finite()), "{penalty}: {probs:?}");
+            assert!((probs.iter().sum::<f64>() - 1.0).abs() < 1e-9, "{probs:?}");
+        }
+        // 80 / 0.01 = 8000 beats 79.5 / 0.01 = 7950: the draw is the greedy token.
+        let mut s = Sampler::new(&params(|p| {
+            p.temperature = SAMPLING_EPS;
+            p.repetition_penalty = MIN_REPETITION_PENALTY;
+        }));
+        assert_eq!(s.sample(&logits, &[0, 2]).token, 0);
     }
 
     #[test]

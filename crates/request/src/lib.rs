@@ -14,6 +14,13 @@ pub use mode::{Mode, Precision, UnknownMode};
 pub const MAX_STOP_STRINGS: usize = 16;
 /// Longest stop string in bytes.
 pub const MAX_STOP_STRING_BYTES: usize = 256;
+/// Temperatures below this sample greedily (vLLM's `_SAMPLING_EPS`): dividing logits by a
+/// smaller one overflows f32 and turns the distribution into NaN.
+pub const SAMPLING_EPS: f32 = 1e-5;
+/// Repetition penalties are kept within two orders of magnitude of 1 (off), so a penalized
+/// logit of any magnitude a model produces stays finite.
+pub const MIN_REPETITION_PENALTY: f32 = 0.01;
+pub const MAX_REPETITION_PENALTY: f32 = 100.0;
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RequestError {
@@ -21,7 +28,7 @@ pub enum RequestError {
     Temperature(f32),
     #[error("top_p must be in (0, 1], got {0}")]
     TopP(f32),
-    #[error("repetition_penalty must be positive and finite, got {0}")]
+    #[error("repetition_penalty must be between {MIN_REPETITION_PENALTY} and {MAX_REPETITION_PENALTY}, got {0}")]
     RepetitionPenalty(f32),
     #[error("max_tokens must be at least 1")]
     ZeroMaxTokens,
@@ -37,7 +44,7 @@ pub enum RequestError {
 pub struct SamplingParams {
     /// Most tokens to generate.
     pub max_tokens: usize,
-    /// 0 means greedy (argmax).
+    /// 0 (or anything below [`SAMPLING_EPS`]) means greedy (argmax).
     pub temperature: f32,
     /// Keep only the k most likely tokens (0: off).
     pub top_k: usize,
@@ -77,7 +84,7 @@ impl SamplingParams {
     }
 
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
+        self.temperature < SAMPLING_EPS
     }
 
     pub fn validate(&self) -> Result<(), RequestError> {
@@ -87,7 +94,7 @@ impl SamplingParams {
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(RequestError::TopP(self.top_p));
         }
-        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+        if !(MIN_REPETITION_PENALTY..=MAX_REPETITION_PENALTY).contains(&self.repetition_penalty) {
             return Err(RequestError::RepetitionPenalty(self.repetition_penalty));
         }
         if self.max_tokens == 0 {
@@ -146,6 +153,14 @@ mod tests {
         assert_eq!(
             bad(|p| p.top_p = f32::NAN),
             "top_p must be in (0, 1], got NaN"
+        );
+        assert_eq!(
+            bad(|p| p.repetition_penalty = 1e-3),
+            "repetition_penalty must be between 0.01 and 100, got 0.001"
+        );
+        assert_eq!(
+            bad(|p| p.repetition_penalty = 1e3),
+            "repetition_penalty must be between 0.01 and 100, got 1000"
         );
         assert_eq!(bad(|p| p.max_tokens = 0), "max_tokens must be at least 1");
         assert_eq!(
