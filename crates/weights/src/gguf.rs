@@ -294,15 +294,56 @@ impl<'a> Cursor<'a> {
         }
     }
 
-    fn string(&mut self, what: &str) -> Result<String> {
+    fn str(&mut self, what: &str) -> Result<&'a str> {
         let at = self.pos;
         let n = self.len(what, 1)?;
         let bytes = self.take(n, what)?;
-        String::from_utf8(bytes.to_vec()).map_err(|_| WeightsError::Corrupt {
+        std::str::from_utf8(bytes).map_err(|_| WeightsError::Corrupt {
             path: PathBuf::new(),
             offset: at as u64,
             detail: format!("{what} is not valid UTF-8"),
         })
+    }
+
+    fn string(&mut self, what: &str) -> Result<String> {
+        self.str(what).map(str::to_string)
+    }
+
+    /// An array's element type and length (checked against the bytes left).
+    fn array_header(&mut self, key: &str, depth: usize) -> Result<(u32, usize)> {
+        if depth >= MAX_ARRAY_DEPTH {
+            return Err(WeightsError::Corrupt {
+                path: PathBuf::new(),
+                offset: self.pos as u64,
+                detail: format!("metadata {key:?} nests arrays deeper than {MAX_ARRAY_DEPTH}"),
+            });
+        }
+        let elem_type = self.u32(key)?;
+        let min_item = match (scalar_size(elem_type), elem_type) {
+            (Some(size), _) => size,
+            // A string's length, an array's element type and length.
+            (None, 8) => 8,
+            (None, 9) => 12,
+            (None, other) => {
+                return Err(WeightsError::Corrupt {
+                    path: PathBuf::new(),
+                    offset: self.pos as u64,
+                    detail: format!("metadata {key:?} has unknown array element type {other}"),
+                })
+            }
+        };
+        Ok((elem_type, self.len(key, min_item)?))
+    }
+}
+
+/// Bytes of a fixed-size metadata value type; `None` for strings, arrays and unknown types.
+fn scalar_size(value_type: u32) -> Option<usize> {
+    match value_type {
+        0 | 1 | 7 => Some(1),
+        2 | 3 => Some(2),
+        4..=6 => Some(4),
+        10..=12 => Some(8),
+        _ => None,
     }
 }
 
@@ -327,14 +368,16 @@ fn parse(buf: &[u8]) -> Result<Parsed> {
     // Each key/value pair is at least key length + value type = 12 bytes.
     let n_kv = c.len("metadata count", 12)?;
 
-    let mut metadata = BTreeMap::new();
+    // The metadata is walked twice: first only checking its structure, with the tensor index
+    // after it, then building it. A corrupted length that the bytes left could hold (the
+    // tensor data follows) breaks the structure after it, so it is refused before anything is
+    // allocated for it; once the header holds together, every item an array claims is there.
+    let metadata_at = c.pos;
     for _ in 0..n_kv {
-        let key = c.string("metadata key")?;
+        let key = c.str("metadata key")?;
         let value_type = c.u32("metadata value type")?;
-        let value = read_value(&mut c, value_type, &key, 0)?;
-        metadata.insert(key, value);
+        skip_value(&mut c, value_type, key, 0)?;
     }
-    let metadata = Metadata::new(metadata);
 
     let mut tensors = Vec::with_capacity(n_tensors);
     let mut names = std::collections::HashSet::with_capacity(n_tensors);
@@ -384,6 +427,20 @@ fn parse(buf: &[u8]) -> Result<Parsed> {
         tensors.push((name, dtype, dims, offset, n_bytes));
     }
 
+    let index_end = c.pos;
+    let mut c = Cursor {
+        buf,
+        pos: metadata_at,
+    };
+    let mut metadata = BTreeMap::new();
+    for _ in 0..n_kv {
+        let key = c.string("metadata key")?;
+        let value_type = c.u32("metadata value type")?;
+        let value = read_value(&mut c, value_type, &key, 0)?;
+        metadata.insert(key, value);
+    }
+    let metadata = Metadata::new(metadata);
+
     let alignment = match metadata.get("general.alignment") {
         None => DEFAULT_ALIGNMENT,
         Some(v) => match v.as_u64() {
@@ -397,7 +454,7 @@ fn parse(buf: &[u8]) -> Result<Parsed> {
             }
         },
     };
-    let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
+    let data_start = (index_end as u64).div_ceil(alignment) * alignment;
     let file_len = buf.len() as u64;
 
     let mut out = Vec::with_capacity(tensors.len());
@@ -445,30 +502,15 @@ fn read_value(c: &mut Cursor<'_>, value_type: u32, key: &str, depth: usize) -> R
         7 => MetaValue::Bool(c.u8(what)? != 0),
         8 => MetaValue::String(c.string(what)?),
         9 => {
-            if depth >= MAX_ARRAY_DEPTH {
-                return Err(WeightsError::Corrupt {
+            let (elem_type, n) = c.array_header(key, depth)?;
+            let mut items = Vec::new();
+            items
+                .try_reserve_exact(n)
+                .map_err(|_| WeightsError::Corrupt {
                     path: PathBuf::new(),
                     offset: c.pos as u64,
-                    detail: format!("metadata {key:?} nests arrays deeper than {MAX_ARRAY_DEPTH}"),
-                });
-            }
-            let elem_type = c.u32(what)?;
-            let min_item = match elem_type {
-                0 | 1 | 7 => 1,
-                2 | 3 => 2,
-                4..=6 => 4,
-                8 | 10..=12 => 8,
-                9 => 12,
-                other => {
-                    return Err(WeightsError::Corrupt {
-                        path: PathBuf::new(),
-                        offset: c.pos as u64,
-                        detail: format!("metadata {key:?} has unknown array element type {other}"),
-                    })
-                }
-            };
-            let n = c.len(what, min_item)?;
-            let mut items = Vec::with_capacity(n);
+                    detail: format!("metadata {key:?} has {n} items, more than memory holds"),
+                })?;
             for _ in 0..n {
                 items.push(read_value(c, elem_type, key, depth + 1)?);
             }
@@ -477,14 +519,44 @@ fn read_value(c: &mut Cursor<'_>, value_type: u32, key: &str, depth: usize) -> R
         10 => MetaValue::U64(c.u64(what)?),
         11 => MetaValue::I64(c.u64(what)? as i64),
         12 => MetaValue::F64(f64::from_bits(c.u64(what)?)),
-        other => {
-            return Err(WeightsError::Corrupt {
-                path: PathBuf::new(),
-                offset: c.pos as u64,
-                detail: format!("metadata {key:?} has unknown value type {other}"),
-            })
-        }
+        other => return Err(unknown_value_type(c, key, other)),
     })
+}
+
+/// Steps over one value without building it (the structural walk of [`parse`]).
+fn skip_value(c: &mut Cursor<'_>, value_type: u32, key: &str, depth: usize) -> Result<()> {
+    match (scalar_size(value_type), value_type) {
+        (Some(size), _) => {
+            c.take(size, key)?;
+        }
+        (None, 8) => {
+            c.str(key)?;
+        }
+        (None, 9) => {
+            let (elem_type, n) = c.array_header(key, depth)?;
+            match scalar_size(elem_type) {
+                // `array_header` checked that n items of this size fit in the bytes left.
+                Some(size) => {
+                    c.take(n * size, key)?;
+                }
+                None => {
+                    for _ in 0..n {
+                        skip_value(c, elem_type, key, depth + 1)?;
+                    }
+                }
+            }
+        }
+        (None, other) => return Err(unknown_value_type(c, key, other)),
+    }
+    Ok(())
+}
+
+fn unknown_value_type(c: &Cursor<'_>, key: &str, value_type: u32) -> WeightsError {
+    WeightsError::Corrupt {
+        path: PathBuf::new(),
+        offset: c.pos as u64,
+        detail: format!("metadata {key:?} has unknown value type {value_type}"),
+    }
 }
 
 #[cfg(test)]
