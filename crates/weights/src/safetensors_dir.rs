@@ -199,7 +199,18 @@ fn spec_from_hf(
     let d_model = get("hidden_size")?;
     let n_heads = get("num_attention_heads")?;
     let vocab_size = match tensors.get(names::TOKEN_EMBD) {
-        Some(e) => e.shape[0],
+        Some(Entry { shape, .. }) => match shape[..] {
+            [vocab, _] => vocab,
+            _ => {
+                return Err(st_err(
+                    path,
+                    format!(
+                        "{} has shape {shape:?}; an embedding is [vocab, hidden]",
+                        names::TOKEN_EMBD
+                    ),
+                ))
+            }
+        },
         None => get("vocab_size")?,
     };
     let activation = c
@@ -398,4 +409,34 @@ fn unpermute_rope_rows(t: &Tensor, head_dim: usize) -> Result<Tensor> {
         .transpose(1, 2)?
         .contiguous()?
         .reshape((rows, cols))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An embedding that is not [vocab, hidden] is refused with its shape, not indexed.
+    #[test]
+    fn an_embedding_of_the_wrong_rank_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = r#"{"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2,
+            "num_hidden_layers": 1, "intermediate_size": 16, "vocab_size": 4}"#;
+        std::fs::write(dir.path().join("config.json"), config).expect("config");
+        let scalar = 1f32.to_le_bytes();
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![], &scalar)
+            .expect("view");
+        safetensors::serialize_to_file(
+            [("model.embed_tokens.weight", view)],
+            None,
+            &dir.path().join("model.safetensors"),
+        )
+        .expect("write");
+        let err = SafetensorsDir::open(dir.path())
+            .expect_err("refused")
+            .to_string();
+        assert!(
+            err.ends_with("token_embd.weight has shape []; an embedding is [vocab, hidden]"),
+            "{err}"
+        );
+    }
 }
