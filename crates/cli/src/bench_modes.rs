@@ -8,9 +8,10 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use switchyard_exits::file;
 use switchyard_modes::bench::{self, ModesBenchOptions};
+use switchyard_modes::gptq::GptqSettings;
 use switchyard_modes::serve::{ModeAssets, DEFAULT_SPEC_K};
 use switchyard_modes::{assets, bench::ModesReport};
-use switchyard_request::Mode;
+use switchyard_request::{Mode, Precision};
 use switchyard_tokenizer::Tokenizer;
 
 use crate::output::write_json;
@@ -200,6 +201,35 @@ fn assets(a: &BenchModesArgs, modes: &[Mode]) -> anyhow::Result<ModeAssets> {
     } else {
         None
     };
+    let gptq = if modes.iter().any(|m| m.precision() == Precision::Q4Gptq) {
+        let pb = bar("GPTQ calibration (layers)");
+        let settings = GptqSettings::default();
+        let t0 = std::time::Instant::now();
+        let (c, cached) = assets::calibrate_gptq(
+            Arc::clone(&source),
+            &tokenizer,
+            &settings,
+            &assets::gptq_cache_dir(),
+            |d, n| {
+                pb.set_length(n as u64);
+                pb.set_position(d as u64);
+            },
+        )?;
+        pb.finish_and_clear();
+        let (rtn, gptq) = c.total_error();
+        eprintln!(
+            "GPTQ: {} ({:.1} s); {} calibration tokens; output error on them {:.4e} -> {:.4e} ({:+.1}%) against round-to-nearest",
+            if cached { "read from the cache" } else { "calibrated" },
+            t0.elapsed().as_secs_f64(),
+            c.calibration_tokens,
+            rtn,
+            gptq,
+            100.0 * (gptq / rtn - 1.0)
+        );
+        Some(Arc::new(c))
+    } else {
+        None
+    };
     Ok(ModeAssets {
         name: a.model.clone(),
         source,
@@ -207,6 +237,7 @@ fn assets(a: &BenchModesArgs, modes: &[Mode]) -> anyhow::Result<ModeAssets> {
         draft,
         heads,
         awq,
+        gptq,
         spec_k: a.spec_k,
         max_model_len: a.max_model_len,
     })

@@ -265,7 +265,9 @@ pub struct ModesReport {
 /// change on generation.
 fn quality_source(mode: Mode) -> Option<Precision> {
     match mode {
-        Mode::F16 | Mode::F32 | Mode::Int8 | Mode::Q4 | Mode::Q4Awq => Some(mode.precision()),
+        Mode::F16 | Mode::F32 | Mode::Int8 | Mode::Q4 | Mode::Q4Awq | Mode::Q4Gptq => {
+            Some(mode.precision())
+        }
         _ => None,
     }
 }
@@ -327,6 +329,7 @@ pub fn run(
                 | Mode::Int8
                 | Mode::Q4
                 | Mode::Q4Awq
+                | Mode::Q4Gptq
                 | Mode::KvCompressed
                 | Mode::SelfSpeculative
                 | Mode::Speculative
@@ -534,7 +537,7 @@ fn score_quality(
         }
         progress(&format!("quality: {}", p.name()));
         let model: LayeredModel =
-            precision::load(Arc::clone(&assets.source), p, assets.awq.as_deref())?;
+            precision::load(Arc::clone(&assets.source), p, assets.calibrations())?;
         let bpb = switchyard_engine::score::score_text(
             &model,
             tokenizer,

@@ -2,7 +2,7 @@
 //! ([`switchyard_request::Mode`]) that one request is served with from start to finish.
 //!
 //! * [`precision`]: the model's weights at f16, f32, Q8_0, 4-bit, or 4-bit after
-//!   activation-aware scaling ([`awq`]).
+//!   activation-aware scaling ([`awq`]), or GPTQ's error-compensating 4-bit ([`gptq`]).
 //! * [`speculative`]: a draft model proposes tokens and the target verifies them in one
 //!   forward (Leviathan et al.); [`self_speculative`]: the draft is the model's own first
 //!   layers through an exit head (LayerSkip), sharing their K/V with the verifier.
@@ -10,6 +10,7 @@
 pub mod assets;
 pub mod awq;
 pub mod bench;
+pub mod gptq;
 pub mod precision;
 pub mod router_bench;
 pub mod self_speculative;

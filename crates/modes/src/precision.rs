@@ -13,6 +13,7 @@ use switchyard_request::Precision;
 use switchyard_weights::WeightSource;
 
 use crate::awq::{AwqCalibration, ScaledSource};
+use crate::gptq::{GptqCalibration, GptqSource};
 use crate::{ModesError, Result};
 
 /// Relative RMS error of a product `x Wᵀ` with the weight held at each precision, against
@@ -31,32 +32,49 @@ pub const LOGIT_TOL_INT8: f32 = 0.08;
 pub const LOGIT_TOL_Q4: f32 = 0.45;
 
 /// The loader's weight format for `p` (the activation-aware variant loads scaled weights
-/// through the same format as `q4`).
+/// through the same format as `q4`; GPTQ's blocks are already in it and load as they are).
 pub fn weight_format(p: Precision) -> WeightFormat {
     match p {
         Precision::F16 => WeightFormat::F16,
         Precision::F32 => WeightFormat::F32,
         Precision::Int8 => WeightFormat::Quantized(QuantTarget::Q8_0),
-        Precision::Q4 | Precision::Q4Awq => WeightFormat::Quantized(QuantTarget::Q4),
+        Precision::Q4 | Precision::Q4Awq | Precision::Q4Gptq => {
+            WeightFormat::Quantized(QuantTarget::Q4)
+        }
     }
 }
 
-/// Loads `source` at precision `p`. `awq` must hold a calibration of the same source for
-/// `Precision::Q4Awq` (see [`crate::awq::calibrate`]).
+/// What the calibrated precisions need, made once per model (see [`crate::assets`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Calibrations<'a> {
+    /// For `q4-awq` (see [`crate::awq::calibrate`]).
+    pub awq: Option<&'a AwqCalibration>,
+    /// For `q4-gptq` (see [`crate::gptq::calibrate`]).
+    pub gptq: Option<&'a GptqCalibration>,
+}
+
+/// Loads `source` at precision `p`. `calibrations` must hold the calibration of the same
+/// source that `p` needs, if any.
 pub fn load(
     source: Arc<dyn WeightSource>,
     p: Precision,
-    awq: Option<&AwqCalibration>,
+    calibrations: Calibrations<'_>,
 ) -> Result<LayeredModel> {
     let opts = LoadOptions {
         layers: None,
         format: weight_format(p),
     };
-    let source: Arc<dyn WeightSource> = match (p, awq) {
-        (Precision::Q4Awq, Some(c)) => Arc::new(ScaledSource::new(source, c)?),
-        (Precision::Q4Awq, None) => {
+    let source: Arc<dyn WeightSource> = match (p, calibrations.awq, calibrations.gptq) {
+        (Precision::Q4Awq, Some(c), _) => Arc::new(ScaledSource::new(source, c)?),
+        (Precision::Q4Awq, None, _) => {
             return Err(ModesError::Invalid(
                 "the q4-awq precision needs an activation-aware calibration of the model".into(),
+            ))
+        }
+        (Precision::Q4Gptq, _, Some(c)) => Arc::new(GptqSource::new(source, c)),
+        (Precision::Q4Gptq, _, None) => {
+            return Err(ModesError::Invalid(
+                "the q4-gptq precision needs a GPTQ calibration of the model".into(),
             ))
         }
         _ => source,
@@ -144,10 +162,16 @@ mod tests {
         use switchyard_weights::{Architecture, SyntheticSource};
         let spec = SyntheticSource::tiny_spec(Architecture::Llama);
         let src = SyntheticSource::new(spec, 1, GgmlDType::F32).unwrap();
-        let err = load(Arc::new(src), Precision::Q4Awq, None).unwrap_err();
+        let src: Arc<dyn WeightSource> = Arc::new(src);
+        let err = load(Arc::clone(&src), Precision::Q4Awq, Calibrations::default()).unwrap_err();
         assert_eq!(
             err.to_string(),
             "the q4-awq precision needs an activation-aware calibration of the model"
+        );
+        let err = load(src, Precision::Q4Gptq, Calibrations::default()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the q4-gptq precision needs a GPTQ calibration of the model"
         );
     }
 }

@@ -28,6 +28,8 @@ use switchyard_tokenizer::Tokenizer;
 use switchyard_weights::WeightSource;
 
 use crate::awq::AwqCalibration;
+use crate::gptq::GptqCalibration;
+use crate::precision::Calibrations;
 use crate::self_speculative::SelfSpeculativeDecoder;
 use crate::speculative::SpeculativeDecoder;
 use crate::{precision, ModesError, Result};
@@ -70,10 +72,22 @@ pub struct ModeAssets {
     pub heads: Option<(Arc<ExitHeads>, usize)>,
     /// Calibration of `q4-awq`.
     pub awq: Option<Arc<AwqCalibration>>,
+    /// Calibration of `q4-gptq` (and its prefix-cache hybrid).
+    pub gptq: Option<Arc<GptqCalibration>>,
     pub spec_k: usize,
     /// Longest sequence served (see [`EngineConfig::max_model_len`]); `None`: the model's
     /// context.
     pub max_model_len: Option<usize>,
+}
+
+impl ModeAssets {
+    /// The calibrations held, for [`precision::load`].
+    pub fn calibrations(&self) -> Calibrations<'_> {
+        Calibrations {
+            awq: self.awq.as_deref(),
+            gptq: self.gptq.as_deref(),
+        }
+    }
 }
 
 /// A mode ready to serve.
@@ -111,7 +125,7 @@ impl ModeServer {
     /// workspace must fit; speculative modes: the weights).
     pub fn load(mode: Mode, assets: &ModeAssets, budget: u64) -> Result<Self> {
         let p = mode.precision();
-        let model = precision::load(Arc::clone(&assets.source), p, assets.awq.as_deref())?;
+        let model = precision::load(Arc::clone(&assets.source), p, assets.calibrations())?;
         match mode {
             Mode::Speculative => {
                 let draft_src = assets.draft.as_ref().ok_or_else(|| {
@@ -120,7 +134,7 @@ impl ModeServer {
                         assets.name
                     ))
                 })?;
-                let draft = precision::load(Arc::clone(draft_src), p, None)?;
+                let draft = precision::load(Arc::clone(draft_src), p, Calibrations::default())?;
                 check_fits(&[&model, &draft], budget)?;
                 SpeculativeDecoder::new(&draft, &model)?.with_draft_len(assets.spec_k)?;
                 Ok(Self::Speculative {

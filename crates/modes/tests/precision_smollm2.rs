@@ -65,7 +65,7 @@ fn precisions_stay_within_their_logit_bounds_and_awq_beats_plain_q4() -> anyhow:
     );
     assert_eq!(cal.choices.len(), 3 * 30);
 
-    let reference = precision::load(Arc::clone(&src), Precision::F32, None)?;
+    let reference = precision::load(Arc::clone(&src), Precision::F32, Default::default())?;
     let mut errors = Vec::new();
     for p in [
         Precision::F16,
@@ -73,7 +73,11 @@ fn precisions_stay_within_their_logit_bounds_and_awq_beats_plain_q4() -> anyhow:
         Precision::Q4,
         Precision::Q4Awq,
     ] {
-        let model = precision::load(Arc::clone(&src), p, Some(&cal))?;
+        let calibrations = precision::Calibrations {
+            awq: Some(&cal),
+            gptq: None,
+        };
+        let model = precision::load(Arc::clone(&src), p, calibrations)?;
         let mut err = 0.0;
         for doc in &held_out {
             err += relative_rms(&logits(&model, doc)?, &logits(&reference, doc)?)

@@ -22,15 +22,19 @@ pub enum Precision {
     Q4,
     /// 4-bit after activation-aware per-channel scaling (in the spirit of AWQ).
     Q4Awq,
+    /// 4-bit chosen by GPTQ's error-compensating, Hessian-weighted rounding (same blocks as
+    /// `Q4`).
+    Q4Gptq,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 5] = [
+    pub const ALL: [Precision; 6] = [
         Precision::F16,
         Precision::F32,
         Precision::Int8,
         Precision::Q4,
         Precision::Q4Awq,
+        Precision::Q4Gptq,
     ];
 
     pub fn name(self) -> &'static str {
@@ -40,6 +44,7 @@ impl Precision {
             Precision::Int8 => "int8",
             Precision::Q4 => "q4",
             Precision::Q4Awq => "q4-awq",
+            Precision::Q4Gptq => "q4-gptq",
         }
     }
 }
@@ -70,10 +75,15 @@ pub enum Mode {
     Q4PrefixCache,
     /// Q8_0 weights with continuous batching.
     Int8ContinuousBatching,
+    /// GPTQ 4-bit weights.
+    Q4Gptq,
+    /// GPTQ 4-bit weights with the prefix cache on.
+    Q4GptqPrefixCache,
 }
 
 impl Mode {
-    pub const ALL: [Mode; 13] = [
+    /// Every mode. New modes go at the end: learned routers label modes by position here.
+    pub const ALL: [Mode; 15] = [
         Mode::F16,
         Mode::F32,
         Mode::Int8,
@@ -87,6 +97,8 @@ impl Mode {
         Mode::KvCompressed,
         Mode::Q4PrefixCache,
         Mode::Int8ContinuousBatching,
+        Mode::Q4Gptq,
+        Mode::Q4GptqPrefixCache,
     ];
 
     /// The baseline every ratio is taken against, and the fallback when a mode fails.
@@ -107,6 +119,8 @@ impl Mode {
             Mode::KvCompressed => "kv-compressed",
             Mode::Q4PrefixCache => "q4+prefix-cache",
             Mode::Int8ContinuousBatching => "int8+continuous-batching",
+            Mode::Q4Gptq => "q4-gptq",
+            Mode::Q4GptqPrefixCache => "q4-gptq+prefix-cache",
         }
     }
 
@@ -117,13 +131,17 @@ impl Mode {
             Mode::Int8 | Mode::Int8ContinuousBatching => Precision::Int8,
             Mode::Q4 | Mode::Q4PrefixCache => Precision::Q4,
             Mode::Q4Awq => Precision::Q4Awq,
+            Mode::Q4Gptq | Mode::Q4GptqPrefixCache => Precision::Q4Gptq,
             _ => Precision::F16,
         }
     }
 
     /// Whether the prefix cache is on.
     pub fn prefix_cache(self) -> bool {
-        matches!(self, Mode::PrefixCache | Mode::Q4PrefixCache)
+        matches!(
+            self,
+            Mode::PrefixCache | Mode::Q4PrefixCache | Mode::Q4GptqPrefixCache
+        )
     }
 
     /// Whether long prompts are prefilled in chunks interleaved with decode steps.
@@ -211,5 +229,12 @@ mod tests {
         assert!(Mode::Int8ContinuousBatching.continuous_batching());
         assert!(!Mode::F16.continuous_batching() && !Mode::F16.prefix_cache());
         assert_eq!(Mode::KvCompressed.precision(), Precision::F16);
+        assert_eq!(Mode::Q4GptqPrefixCache.precision(), Precision::Q4Gptq);
+        assert!(Mode::Q4GptqPrefixCache.prefix_cache() && !Mode::Q4Gptq.prefix_cache());
+        assert_eq!(Mode::Q4Gptq.name(), "q4-gptq");
+        assert_eq!(
+            "q4-gptq+prefix-cache".parse::<Mode>(),
+            Ok(Mode::Q4GptqPrefixCache)
+        );
     }
 }

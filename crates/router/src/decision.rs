@@ -59,7 +59,7 @@ impl ModeSet {
     }
 
     fn bit(mode: Mode) -> u16 {
-        // Mode::ALL has 13 entries, so every position fits a u16 bit.
+        // Mode::ALL has 15 entries, so every position fits a u16 bit.
         let position = Mode::ALL.iter().position(|&m| m == mode).unwrap_or(0);
         1 << position
     }

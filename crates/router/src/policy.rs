@@ -267,7 +267,7 @@ pub const DEFAULT_POLICY_TOML: &str = r#"# ModeSwitch routing policy.
 # `when` holds picks the mode. If that mode cannot be served (not loaded, does not fit), the
 # request falls back to f16. Modes: f16, f32, int8, q4, q4-awq, speculative,
 # self-speculative, prefix-cache, chunked-prefill, continuous-batching, kv-compressed,
-# q4+prefix-cache, int8+continuous-batching.
+# q4+prefix-cache, int8+continuous-batching, q4-gptq, q4-gptq+prefix-cache.
 #
 # Conditions: "always", "memory-pressure-high", { class = "<class>" },
 # { workload = ["<label>", ...] }, { shape = ["SS" | "SL" | "LS" | "LL", ...] } (synthetic

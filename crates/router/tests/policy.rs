@@ -276,7 +276,8 @@ fn an_operator_policy_with_its_own_rules_and_thresholds() {
 }
 
 const KNOWN: &str = "f16, f32, int8, q4, q4-awq, speculative, self-speculative, prefix-cache, \
-    chunked-prefill, continuous-batching, kv-compressed, q4+prefix-cache, int8+continuous-batching";
+    chunked-prefill, continuous-batching, kv-compressed, q4+prefix-cache, int8+continuous-batching, \
+    q4-gptq, q4-gptq+prefix-cache";
 
 fn error_of(text: &str) -> String {
     Policy::from_toml(text).unwrap_err().to_string()

@@ -58,7 +58,8 @@ pub struct Config {
 /// ```
 ///
 /// Speculative modes decode one request at a time (queued in arrival order); `q4-awq` is
-/// calibrated when first loaded.
+/// calibrated when first loaded; `q4-gptq` is read from the GPTQ cache, or made when first
+/// loaded and cached.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ModeSwitchSection {

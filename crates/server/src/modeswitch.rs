@@ -28,8 +28,9 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use serde::Serialize;
 use switchyard_engine::EngineRequest;
 use switchyard_modes::awq::AwqCalibration;
+use switchyard_modes::gptq::{GptqCalibration, GptqSettings};
 use switchyard_modes::serve::{ModeAssets, ModeServer, DEFAULT_SPEC_K};
-use switchyard_request::Mode;
+use switchyard_request::{Mode, Precision};
 use switchyard_router::{
     Decision, LearnedRouter, ModeSet, Policy, RequestFeatures, Router, RulesRouter,
 };
@@ -119,6 +120,8 @@ pub struct ModeSwitchModel {
     engines: tokio::sync::Mutex<Vec<Loaded>>,
     /// `q4-awq`'s calibration, made on its first load.
     awq: Mutex<Option<Arc<AwqCalibration>>>,
+    /// `q4-gptq`'s blocks, read from the cache or made on its first load.
+    gptq: Mutex<Option<Arc<GptqCalibration>>>,
     prefixes: Mutex<PrefixIndex>,
     recent: Mutex<VecDeque<RouteRecord>>,
     in_flight: AtomicUsize,
@@ -204,6 +207,7 @@ impl ModeSwitchModel {
             draft,
             heads,
             awq: None,
+            gptq: None,
             spec_k: section.draft_len.unwrap_or(DEFAULT_SPEC_K),
             max_model_len: section.max_model_len,
         };
@@ -222,6 +226,7 @@ impl ModeSwitchModel {
             }]),
             base,
             awq: Mutex::default(),
+            gptq: Mutex::default(),
             prefixes: Mutex::default(),
             recent: Mutex::default(),
             in_flight: AtomicUsize::new(0),
@@ -339,6 +344,9 @@ impl ModeSwitchModel {
         if mode == Mode::Q4Awq {
             assets.awq = Some(self.awq_calibration().await?);
         }
+        if mode.precision() == Precision::Q4Gptq {
+            assets.gptq = Some(self.gptq_calibration().await?);
+        }
         let t0 = Instant::now();
         let local = tokio::task::spawn_blocking(move || load_local(&name, mode, &assets, budget))
             .await
@@ -373,6 +381,37 @@ impl ModeSwitchModel {
         tracing::info!(model = %self.name, seconds = t0.elapsed().as_secs_f64(), tokens = c.calibration_tokens, "q4-awq calibrated");
         let c = Arc::new(c);
         if let Ok(mut slot) = self.awq.lock() {
+            *slot = Some(Arc::clone(&c));
+        }
+        Ok(c)
+    }
+
+    /// `q4-gptq`'s blocks: from the GPTQ cache, or made on first use and cached (called with
+    /// the engines locked, so once).
+    async fn gptq_calibration(&self) -> Result<Arc<GptqCalibration>, String> {
+        if let Some(c) = self.gptq.lock().ok().and_then(|c| c.clone()) {
+            return Ok(c);
+        }
+        let (source, tokenizer) = (
+            Arc::clone(&self.assets.source),
+            Arc::clone(&self.assets.tokenizer),
+        );
+        let t0 = Instant::now();
+        let (c, cached) = tokio::task::spawn_blocking(move || {
+            switchyard_modes::assets::calibrate_gptq(
+                source,
+                &tokenizer,
+                &GptqSettings::default(),
+                &switchyard_modes::assets::gptq_cache_dir(),
+                |_, _| {},
+            )
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("q4-gptq calibration: {e}"))?;
+        tracing::info!(model = %self.name, seconds = t0.elapsed().as_secs_f64(), tokens = c.calibration_tokens, cached, "q4-gptq ready");
+        let c = Arc::new(c);
+        if let Ok(mut slot) = self.gptq.lock() {
             *slot = Some(Arc::clone(&c));
         }
         Ok(c)

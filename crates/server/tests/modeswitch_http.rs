@@ -63,7 +63,8 @@ fn direct(p: Precision) -> String {
     let path = switchyard_zoo::ensure(MODEL).expect("model");
     let src = switchyard_weights::open(&path).expect("open");
     let tok = Tokenizer::from_source(&*src).expect("tokenizer");
-    let model = switchyard_modes::precision::load(Arc::clone(&src), p, None).expect("load");
+    let model =
+        switchyard_modes::precision::load(Arc::clone(&src), p, Default::default()).expect("load");
     let prompt = tok.encode(PROMPT, true, true).expect("encode");
     let params = SamplingParams {
         max_tokens: TOKENS,

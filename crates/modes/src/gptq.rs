@@ -1,0 +1,1118 @@
+//! GPTQ 4-bit weights (Frantar et al., 2023): second-order, error-compensating quantization.
+//!
+//! Round-to-nearest quantizes every weight on its own. GPTQ quantizes the input columns of a
+//! linear layer one at a time and spreads each column's rounding error over the columns not yet
+//! quantized, weighted by the inverse Hessian of the layer's reconstruction error
+//! `‖W X − Ŵ X‖²`, whose Hessian is `H = X Xᵀ` over calibration inputs `X`. With `U` the upper
+//! Cholesky factor of `H⁻¹` (so `H⁻¹ = Uᵀ U`), quantizing column `i` to `q` updates the rest as
+//! `W[:, j] −= (W[:, i] − q) / U[i,i] · U[i, j]` for `j > i`. Updates are applied lazily in
+//! blocks of [`LAZY_BLOCK`] columns (the paper's "lazy batch" form), the block-external part
+//! as one matrix product.
+//!
+//! The result is written straight into the block formats the 4-bit kernels already run (Q4_K
+//! where a row is a multiple of 256, else Q4_0, as `q4` picks): each block's grid (scale and
+//! minimum per 32 values) is chosen by the format's own quantizer from the weights as they stand
+//! when GPTQ reaches the block (or, with act-order, from the original weights, since columns are
+//! then visited out of order), and GPTQ picks each value's 4-bit code on that grid. The codes
+//! are packed into the blocks, so serving needs no new kernel and loads them as they are.
+//!
+//! Layers are quantized in order, each on the activations of the already-quantized layers
+//! before it (run through the 4-bit kernels as serving runs them), as GPTQ does; within a
+//! layer, the inputs are those of the float layer.
+//!
+//! The Cholesky factorisation and triangular inverse use `faer` (dense linear algebra written
+//! for this; candle has neither).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::path::Path;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use faer::{Mat, MatRef, Par, Side};
+use switchyard_models::{
+    model::load_block, DenseKv, ForwardBatch, LayeredModel, LoadOptions, QuantTarget, TensorLoader,
+    WeightFormat,
+};
+use switchyard_weights::{names, Metadata, ModelSpec, TensorMeta, TokenizerOrigin, WeightSource};
+
+use crate::{ModesError, Result};
+
+/// Columns whose updates are applied together (a multiple of both 4-bit block sizes, so a
+/// Q4_0 or Q4_K block never straddles two lazy blocks).
+pub const LAZY_BLOCK: usize = 256;
+
+/// Values sharing one scale and minimum inside a 4-bit block (Q4_0's whole block, one Q4_K
+/// sub-block).
+const SUB_BLOCK: usize = 32;
+
+/// The linear layers of a transformer layer, each with the layer whose input it shares
+/// (the tap that observes that input).
+const MATRICES: [(&str, &str); 7] = [
+    ("attn_q.weight", "attn_q.weight"),
+    ("attn_k.weight", "attn_q.weight"),
+    ("attn_v.weight", "attn_q.weight"),
+    ("attn_output.weight", "attn_output.weight"),
+    ("ffn_gate.weight", "ffn_gate.weight"),
+    ("ffn_up.weight", "ffn_gate.weight"),
+    ("ffn_down.weight", "ffn_down.weight"),
+];
+
+/// What GPTQ is run with; part of the calibration cache's key.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GptqSettings {
+    /// Dampening added to the Hessian's diagonal, as a fraction of its mean diagonal.
+    pub damp: f64,
+    /// Visit columns in order of decreasing Hessian diagonal (largest activations first); the
+    /// block grids then come from the original weights ("static groups").
+    pub act_order: bool,
+    /// Calibration documents (ShareGPT's calibration split) and their length in tokens.
+    pub docs: usize,
+    pub doc_tokens: usize,
+}
+
+impl Default for GptqSettings {
+    fn default() -> Self {
+        Self {
+            damp: 0.01,
+            act_order: true,
+            docs: 32,
+            doc_tokens: 256,
+        }
+    }
+}
+
+/// One weight matrix after GPTQ: the raw 4-bit blocks, as the kernels read them.
+#[derive(Debug, Clone)]
+pub struct QuantizedMatrix {
+    pub dtype: GgmlDType,
+    /// `[rows, cols]`.
+    pub shape: [usize; 2],
+    pub bytes: Vec<u8>,
+}
+
+impl QuantizedMatrix {
+    pub fn to_qtensor(&self, device: &Device) -> Result<QTensor> {
+        Ok(qtensor_from_ggml(
+            self.dtype,
+            &self.bytes,
+            self.shape.to_vec(),
+            device,
+        )?)
+    }
+
+    /// The dequantized values, `[rows, cols]` row-major.
+    pub fn dequantize(&self) -> Result<Vec<f32>> {
+        Ok(self
+            .to_qtensor(&Device::Cpu)?
+            .dequantize(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1()?)
+    }
+}
+
+/// The reconstruction error `tr((W − Ŵ) H (W − Ŵ)ᵀ)` of one matrix on the calibration inputs
+/// (the summed squared output error), round-to-nearest against GPTQ.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MatrixReport {
+    pub name: String,
+    pub dtype: String,
+    pub error_rtn: f64,
+    pub error_gptq: f64,
+}
+
+/// A whole model's GPTQ result.
+#[derive(Debug)]
+pub struct GptqCalibration {
+    /// By canonical tensor name.
+    pub tensors: HashMap<String, QuantizedMatrix>,
+    pub reports: Vec<MatrixReport>,
+    pub calibration_tokens: usize,
+    pub settings: GptqSettings,
+}
+
+impl GptqCalibration {
+    /// Summed reconstruction error over all matrices, (round-to-nearest, GPTQ).
+    pub fn total_error(&self) -> (f64, f64) {
+        self.reports
+            .iter()
+            .fold((0.0, 0.0), |(r, g), m| (r + m.error_rtn, g + m.error_gptq))
+    }
+}
+
+/// Where each value's 4-bit code sits in a block of `dtype`: (byte, shift) of value `e`.
+fn nibble(dtype: GgmlDType, e: usize) -> (usize, u32) {
+    match dtype {
+        // d (f16), then 16 bytes: values 0..16 in the low nibbles, 16..32 in the high ones.
+        GgmlDType::Q4_0 => (2 + e % 16, if e < 16 { 0 } else { 4 }),
+        // d, dmin (f16), 12 bytes of scales, then 4 runs of 32 bytes, each holding 64 values:
+        // the first 32 in the low nibbles, the next 32 in the high ones.
+        _ => {
+            let (run, within) = (e / 64, e % 64);
+            (16 + 32 * run + within % 32, if within < 32 { 0 } else { 4 })
+        }
+    }
+}
+
+/// One sub-block's grid: value = `scale · q − offset` for the code `q` in 0..=15.
+#[derive(Debug, Clone, Copy)]
+struct Grid {
+    scale: f32,
+    offset: f32,
+}
+
+impl Grid {
+    /// The nearest code and its value.
+    fn quantize(self, x: f32) -> (u8, f32) {
+        let q = if self.scale == 0.0 || !self.scale.is_finite() {
+            0.0
+        } else {
+            ((x + self.offset) / self.scale).round().clamp(0.0, 15.0)
+        };
+        (q as u8, self.scale * q - self.offset)
+    }
+}
+
+/// The blocks (and each sub-block's grid) the format's own quantizer chooses for
+/// `values` (`[rows, block]` row-major, one block per row).
+fn block_grids(values: &[f32], rows: usize, dtype: GgmlDType) -> Result<(Vec<u8>, Vec<Grid>)> {
+    let block = dtype.block_size();
+    let device = Device::Cpu;
+    let t = Tensor::from_slice(values, (rows, block), &device)?;
+    let blocks = QTensor::quantize(&t, dtype)?.data()?.into_owned();
+    // Read the grids back through the format's own dequantizer: all codes 0 give `-offset`,
+    // all codes 1 give `scale - offset`.
+    let with_codes = |code: u8| -> Result<Vec<f32>> {
+        let mut b = blocks.clone();
+        let size = dtype.type_size();
+        for r in 0..rows {
+            for e in 0..block {
+                let (byte, shift) = nibble(dtype, e);
+                let at = r * size + byte;
+                b[at] = (b[at] & !(0xF << shift)) | (code << shift);
+            }
+        }
+        Ok(qtensor_from_ggml(dtype, &b, vec![rows, block], &device)?
+            .dequantize(&device)?
+            .flatten_all()?
+            .to_vec1()?)
+    };
+    let (zero, one) = (with_codes(0)?, with_codes(1)?);
+    let grids = (0..rows * block / SUB_BLOCK)
+        .map(|i| {
+            let at = i * SUB_BLOCK;
+            Grid {
+                scale: one[at] - zero[at],
+                offset: -zero[at],
+            }
+        })
+        .collect();
+    Ok((blocks, grids))
+}
+
+/// `U`, the upper Cholesky factor of `H⁻¹` (`H⁻¹ = Uᵀ U`), for a symmetric positive definite
+/// `H`. With `P` the reversal permutation, `P H P = L Lᵀ` gives `H = R Rᵀ` for the upper
+/// triangular `R = P L P`, so `H⁻¹ = R⁻ᵀ R⁻¹` and `U = R⁻¹`: one factorisation, one
+/// triangular inverse, no explicit `H⁻¹`.
+pub fn inverse_cholesky_upper(h: MatRef<'_, f64>) -> Result<Mat<f64>> {
+    let n = h.nrows();
+    let reversed = h.reverse_rows_and_cols().to_owned();
+    let llt = reversed.llt(Side::Lower).map_err(|e| {
+        ModesError::Invalid(format!(
+            "GPTQ: the dampened Hessian is not positive definite ({e:?})"
+        ))
+    })?;
+    let r = llt.L().reverse_rows_and_cols().to_owned();
+    let mut u = Mat::<f64>::zeros(n, n);
+    faer::linalg::triangular_inverse::invert_upper_triangular(u.as_mut(), r.as_ref(), par());
+    Ok(u)
+}
+
+fn par() -> Par {
+    Par::rayon(0)
+}
+
+/// GPTQ on one `[rows, cols]` row-major matrix `w` with Hessian `h` (`[cols, cols]`, the sum of
+/// `x xᵀ` over calibration inputs), into `dtype` blocks (Q4_0 or Q4_K).
+pub fn quantize_matrix(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    h: &[f64],
+    dtype: GgmlDType,
+    settings: &GptqSettings,
+) -> Result<QuantizedMatrix> {
+    let block = dtype.block_size();
+    if !matches!(dtype, GgmlDType::Q4_0 | GgmlDType::Q4K) {
+        return Err(ModesError::Invalid(format!(
+            "GPTQ writes Q4_0 or Q4_K blocks, not {dtype:?}"
+        )));
+    }
+    if w.len() != rows * cols || h.len() != cols * cols || !cols.is_multiple_of(block) {
+        return Err(ModesError::Invalid(format!(
+            "GPTQ: a {rows}x{cols} matrix ({} values) with a {}-value Hessian does not fit {dtype:?} blocks of {block}",
+            w.len(),
+            h.len()
+        )));
+    }
+    let blocks_per_row = cols / block;
+    let size = dtype.type_size();
+    let mut h = Mat::<f64>::from_fn(cols, cols, |i, j| h[i * cols + j]);
+    let mut w = Mat::<f32>::from_fn(rows, cols, |r, c| w[r * cols + c]);
+    // Inputs that never fire carry no information: their weights do not matter; zero them.
+    for i in 0..cols {
+        if h[(i, i)] <= 0.0 {
+            h[(i, i)] = 1.0;
+            for r in 0..rows {
+                w[(r, i)] = 0.0;
+            }
+        }
+    }
+    let mean_diag = (0..cols).map(|i| h[(i, i)]).sum::<f64>() / cols as f64;
+    let damp = settings.damp * mean_diag;
+    for i in 0..cols {
+        h[(i, i)] += damp;
+    }
+    let mut order: Vec<usize> = (0..cols).collect();
+    if settings.act_order {
+        order.sort_by(|&a, &b| h[(b, b)].total_cmp(&h[(a, a)]));
+    }
+
+    // Blocks (header bytes, grids) in column order; with act-order all of them now, from the
+    // original weights; otherwise each when GPTQ reaches it.
+    let mut out = vec![0u8; rows * blocks_per_row * size];
+    let mut grids = vec![
+        Grid {
+            scale: 0.0,
+            offset: 0.0
+        };
+        rows * cols / SUB_BLOCK
+    ];
+    let set_block = |b: usize, values: &[f32], out: &mut [u8], grids: &mut [Grid]| {
+        let (bytes, g) = block_grids(values, rows, dtype)?;
+        let per_row = block / SUB_BLOCK;
+        for r in 0..rows {
+            let at = (r * blocks_per_row + b) * size;
+            out[at..at + size].copy_from_slice(&bytes[r * size..(r + 1) * size]);
+            let gat = r * (cols / SUB_BLOCK) + b * per_row;
+            grids[gat..gat + per_row].copy_from_slice(&g[r * per_row..(r + 1) * per_row]);
+        }
+        Result::Ok(())
+    };
+    let block_values = |w: &Mat<f32>, cols_of: &dyn Fn(usize) -> usize, b: usize| -> Vec<f32> {
+        let mut v = vec![0.0f32; rows * block];
+        for e in 0..block {
+            let c = cols_of(b * block + e);
+            for r in 0..rows {
+                v[r * block + e] = w[(r, c)];
+            }
+        }
+        v
+    };
+    if settings.act_order {
+        for b in 0..blocks_per_row {
+            let v = block_values(&w, &|c| c, b);
+            set_block(b, &v, &mut out, &mut grids)?;
+        }
+    }
+
+    // Work in visiting order: column k of `wp` is column order[k] of `w`.
+    let hp = Mat::<f64>::from_fn(cols, cols, |i, j| h[(order[i], order[j])]);
+    let u64 = inverse_cholesky_upper(hp.as_ref())?;
+    let u = Mat::<f32>::from_fn(cols, cols, |i, j| u64[(i, j)] as f32);
+    let mut wp = Mat::<f32>::from_fn(rows, cols, |r, k| w[(r, order[k])]);
+    let mut codes = vec![0u8; rows * cols];
+    let mut err = Mat::<f32>::zeros(rows, LAZY_BLOCK);
+    let mut i1 = 0;
+    while i1 < cols {
+        let i2 = (i1 + LAZY_BLOCK).min(cols);
+        for k in i1..i2 {
+            let c = order[k];
+            if !settings.act_order && c.is_multiple_of(block) {
+                // Identity order: the block's columns are k..k+block, all updated so far.
+                let v = block_values(&wp, &|c| c, c / block);
+                set_block(c / block, &v, &mut out, &mut grids)?;
+            }
+            let d = u[(k, k)];
+            let (per_row, sub) = (cols / SUB_BLOCK, c / SUB_BLOCK);
+            let col = wp.col_as_slice_mut(k);
+            let e = err.col_as_slice_mut(k - i1);
+            for r in 0..rows {
+                let (q, value) = grids[r * per_row + sub].quantize(col[r]);
+                codes[r * cols + c] = q;
+                e[r] = (col[r] - value) / d;
+            }
+            let e = err.col_as_slice(k - i1);
+            for j in k + 1..i2 {
+                let ukj = u[(k, j)];
+                for (t, &ev) in wp.col_as_slice_mut(j).iter_mut().zip(e) {
+                    *t -= ev * ukj;
+                }
+            }
+        }
+        if i2 < cols {
+            faer::linalg::matmul::matmul(
+                wp.as_mut().subcols_mut(i2, cols - i2),
+                faer::Accum::Add,
+                err.as_ref().subcols(0, i2 - i1),
+                u.as_ref().submatrix(i1, i2, i2 - i1, cols - i2),
+                -1.0f32,
+                par(),
+            );
+        }
+        i1 = i2;
+    }
+    for r in 0..rows {
+        for c in 0..cols {
+            let (b, e) = (c / block, c % block);
+            let (byte, shift) = nibble(dtype, e);
+            let at = (r * blocks_per_row + b) * size + byte;
+            out[at] = (out[at] & !(0xF << shift)) | (codes[r * cols + c] << shift);
+        }
+    }
+    Ok(QuantizedMatrix {
+        dtype,
+        shape: [rows, cols],
+        bytes: out,
+    })
+}
+
+/// `tr(D H Dᵀ)` for `D = a − b` (`[rows, cols]` row-major) and `h` (`[cols, cols]`).
+pub fn reconstruction_error(a: &[f32], b: &[f32], rows: usize, cols: usize, h: &[f64]) -> f64 {
+    let d = Mat::<f64>::from_fn(rows, cols, |r, c| {
+        f64::from(a[r * cols + c]) - f64::from(b[r * cols + c])
+    });
+    let hm = Mat::<f64>::from_fn(cols, cols, |i, j| h[i * cols + j]);
+    let dh = &d * &hm;
+    let mut sum = 0.0;
+    for c in 0..cols {
+        for r in 0..rows {
+            sum += dh[(r, c)] * d[(r, c)];
+        }
+    }
+    sum
+}
+
+/// Accumulated `X Xᵀ` of one tapped input.
+struct Hessian {
+    sum: Tensor,
+    rows: usize,
+}
+
+/// Quantizes the model layer by layer with GPTQ over `docs`. `target` decides the block type
+/// per matrix as serving does; `progress(done, total)` counts layers.
+pub fn calibrate(
+    source: Arc<dyn WeightSource>,
+    docs: &[Vec<u32>],
+    target: QuantTarget,
+    settings: &GptqSettings,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<GptqCalibration> {
+    let mut model = LayeredModel::load(
+        Arc::clone(&source),
+        &LoadOptions {
+            layers: None,
+            format: WeightFormat::F32,
+        },
+    )?;
+    let n_layers = model.n_layers();
+    let kv_dim = model.config().spec.n_kv_heads * model.config().spec.head_dim;
+    let docs: Vec<&Vec<u32>> = docs.iter().filter(|d| !d.is_empty()).collect();
+    let tokens: usize = docs.iter().map(|d| d.len()).sum();
+    if tokens == 0 {
+        return Err(ModesError::Invalid(
+            "GPTQ calibration needs at least one token".into(),
+        ));
+    }
+    let mut xs = docs
+        .iter()
+        .map(|d| model.embed(d))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let device = Device::Cpu;
+    let mut tensors: HashMap<String, QuantizedMatrix> = HashMap::new();
+    let mut reports = Vec::new();
+    let run_layer = |model: &LayeredModel, xs: &[Tensor], l: usize| -> Result<Vec<Tensor>> {
+        xs.iter()
+            .map(|x| {
+                let n = x.dim(0)?;
+                let mut kv = DenseKv::new(n_layers, kv_dim);
+                Ok(model.forward_layers(
+                    x.clone(),
+                    l..l + 1,
+                    &mut ForwardBatch::single(&mut kv, 0, n),
+                )?)
+            })
+            .collect()
+    };
+    for l in 0..n_layers {
+        let taps: Vec<String> = MATRICES
+            .iter()
+            .map(|(_, tap)| names::layer(l, tap))
+            .collect();
+        let observed: Rc<RefCell<HashMap<String, Hessian>>> = Rc::default();
+        let sink = Rc::clone(&observed);
+        let observer = move |name: &str, x: &Tensor| -> candle_core::Result<()> {
+            if !taps.iter().any(|t| t == name) {
+                return Ok(());
+            }
+            let x = x.flatten_to(x.rank().saturating_sub(2))?;
+            let xtx = x.t()?.matmul(&x)?;
+            let rows = x.dim(0)?;
+            let mut all = sink.borrow_mut();
+            match all.get_mut(name) {
+                Some(h) => {
+                    h.sum = (&h.sum + xtx)?;
+                    h.rows += rows;
+                }
+                None => {
+                    all.insert(name.to_string(), Hessian { sum: xtx, rows });
+                }
+            }
+            Ok(())
+        };
+        switchyard_kernels::tap::with_tap(observer, || run_layer(&model, &xs, l))??;
+        let observed = observed.take();
+        for (member, tap) in MATRICES {
+            let name = names::layer(l, member);
+            let tap = names::layer(l, tap);
+            let hessian = observed.get(&tap).ok_or_else(|| {
+                ModesError::Invalid(format!(
+                    "GPTQ calibration never observed the input of {tap}"
+                ))
+            })?;
+            let h: Vec<f64> = hessian
+                .sum
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .into_iter()
+                .map(f64::from)
+                .collect();
+            let w = source.load(&name, &device)?.dequantize(&device)?;
+            let (rows, cols) = w.dims2()?;
+            let dtype = target.dtype_for(cols, false);
+            let values: Vec<f32> = w.flatten_all()?.to_vec1()?;
+            let q = quantize_matrix(&values, rows, cols, &h, dtype, settings)?;
+            let rtn: Vec<f32> = QTensor::quantize(&w, dtype)?
+                .dequantize(&device)?
+                .flatten_all()?
+                .to_vec1()?;
+            reports.push(MatrixReport {
+                name: name.clone(),
+                dtype: format!("{dtype:?}"),
+                error_rtn: reconstruction_error(&values, &rtn, rows, cols, &h),
+                error_gptq: reconstruction_error(&values, &q.dequantize()?, rows, cols, &h),
+            });
+            tensors.insert(name, q);
+        }
+        // The next layer sees this one's output through the 4-bit kernels.
+        let overlay = GptqSource {
+            inner: Arc::clone(&source),
+            tensors: tensors.clone(),
+        };
+        let loader = TensorLoader {
+            src: &overlay,
+            device: &device,
+            format: WeightFormat::Quantized(target),
+        };
+        let block = load_block(&loader, model.config(), l)?;
+        model.install_layer(l, block)?;
+        xs = run_layer(&model, &xs, l)?;
+        model.drop_layer(l);
+        progress(l + 1, n_layers);
+    }
+    Ok(GptqCalibration {
+        tensors,
+        reports,
+        calibration_tokens: tokens,
+        settings: *settings,
+    })
+}
+
+/// The model's weights with GPTQ's 4-bit matrices in place of the originals; everything else
+/// is the inner source's.
+#[derive(Debug)]
+pub struct GptqSource {
+    inner: Arc<dyn WeightSource>,
+    tensors: HashMap<String, QuantizedMatrix>,
+}
+
+impl GptqSource {
+    pub fn new(inner: Arc<dyn WeightSource>, calibration: &GptqCalibration) -> Self {
+        Self {
+            inner,
+            tensors: calibration.tensors.clone(),
+        }
+    }
+}
+
+impl WeightSource for GptqSource {
+    fn description(&self) -> String {
+        format!("{} (GPTQ 4-bit)", self.inner.description())
+    }
+
+    fn spec(&self) -> &ModelSpec {
+        self.inner.spec()
+    }
+
+    fn metadata(&self) -> &Metadata {
+        self.inner.metadata()
+    }
+
+    fn tensor_meta(&self, name: &str) -> Option<TensorMeta> {
+        let meta = self.inner.tensor_meta(name)?;
+        Some(match self.tensors.get(name) {
+            Some(t) => TensorMeta {
+                dtype: t.dtype,
+                n_bytes: t.bytes.len(),
+                ..meta
+            },
+            None => meta,
+        })
+    }
+
+    fn load(&self, name: &str, device: &Device) -> switchyard_weights::Result<QTensor> {
+        match self.tensors.get(name) {
+            Some(t) => Ok(qtensor_from_ggml(
+                t.dtype,
+                &t.bytes,
+                t.shape.to_vec(),
+                device,
+            )?),
+            None => self.inner.load(name, device),
+        }
+    }
+
+    fn tokenizer_origin(&self) -> TokenizerOrigin {
+        self.inner.tokenizer_origin()
+    }
+
+    fn path(&self) -> Option<&Path> {
+        self.inner.path()
+    }
+}
+
+/// The GPTQ cache: one safetensors file per (model, settings), holding each matrix's raw
+/// blocks as bytes and, in the metadata, what they were made from.
+pub mod cache {
+    use std::collections::HashMap;
+    use std::path::{Path, PathBuf};
+
+    use candle_core::quantized::GgmlDType;
+    use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+    use serde::{Deserialize, Serialize};
+    use sha2::{Digest, Sha256};
+
+    use super::{GptqCalibration, GptqSettings, MatrixReport, QuantizedMatrix};
+    use crate::{ModesError, Result};
+
+    /// Bumped whenever the algorithm or the file layout changes, so old results are remade.
+    pub const FORMAT_VERSION: u32 = 1;
+    const META_KEY: &str = "switchyard.gptq";
+
+    #[derive(Debug, Serialize, Deserialize)]
+    struct Meta {
+        format_version: u32,
+        model_sha256: String,
+        settings: GptqSettings,
+        calibration_tokens: usize,
+        tensors: Vec<Entry>,
+        reports: Vec<MatrixReport>,
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    struct Entry {
+        name: String,
+        dtype: String,
+        shape: [usize; 2],
+    }
+
+    /// The cache file of the model with SHA-256 `model_sha256` under `settings`, in `dir`.
+    pub fn path(dir: &Path, model_sha256: &str, settings: &GptqSettings) -> PathBuf {
+        let key = serde_json::to_string(&(FORMAT_VERSION, settings)).unwrap_or_default();
+        let digest = hex::encode(Sha256::digest(key.as_bytes()));
+        let model = model_sha256.get(..16).unwrap_or(model_sha256);
+        dir.join(format!("{model}-{}.gptq.safetensors", &digest[..16]))
+    }
+
+    fn dtype_name(d: GgmlDType) -> &'static str {
+        match d {
+            GgmlDType::Q4_0 => "q4_0",
+            _ => "q4_k",
+        }
+    }
+
+    /// Writes `cal` to `path` (through a temporary file, so a reader never sees half of it).
+    pub fn save(path: &Path, model_sha256: &str, cal: &GptqCalibration) -> Result<()> {
+        let io =
+            |e: std::io::Error| ModesError::Invalid(format!("GPTQ cache {}: {e}", path.display()));
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        let mut names: Vec<&String> = cal.tensors.keys().collect();
+        names.sort();
+        let meta = Meta {
+            format_version: FORMAT_VERSION,
+            model_sha256: model_sha256.to_string(),
+            settings: cal.settings,
+            calibration_tokens: cal.calibration_tokens,
+            tensors: names
+                .iter()
+                .map(|n| Entry {
+                    name: n.to_string(),
+                    dtype: dtype_name(cal.tensors[*n].dtype).into(),
+                    shape: cal.tensors[*n].shape,
+                })
+                .collect(),
+            reports: cal.reports.clone(),
+        };
+        let views = names
+            .iter()
+            .map(|n| {
+                let bytes = &cal.tensors[*n].bytes;
+                TensorView::new(Dtype::U8, vec![bytes.len()], bytes)
+                    .map(|v| (n.to_string(), v))
+                    .map_err(|e| ModesError::Invalid(format!("GPTQ cache tensor {n}: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let json = serde_json::to_string(&meta)
+            .map_err(|e| ModesError::Invalid(format!("GPTQ cache metadata: {e}")))?;
+        let tmp = path.with_extension("tmp");
+        safetensors::tensor::serialize_to_file(
+            views,
+            Some(HashMap::from([(META_KEY.to_string(), json)])),
+            &tmp,
+        )
+        .map_err(|e| ModesError::Invalid(format!("GPTQ cache {}: {e}", tmp.display())))?;
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+
+    /// Reads the result at `path` if it was made from the model `model_sha256` with
+    /// `settings`. `Ok(None)`: no file. A file that is not such a result is an error naming
+    /// what is wrong (the caller recalibrates).
+    pub fn load(
+        path: &Path,
+        model_sha256: &str,
+        settings: &GptqSettings,
+    ) -> Result<Option<GptqCalibration>> {
+        let bytes = match std::fs::read(path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => {
+                return Err(ModesError::Invalid(format!(
+                    "GPTQ cache {}: {e}",
+                    path.display()
+                )))
+            }
+        };
+        let bad = |detail: String| {
+            ModesError::Invalid(format!("GPTQ cache {}: {detail}", path.display()))
+        };
+        let (_, header) =
+            SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("not safetensors: {e}")))?;
+        let json = header
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get(META_KEY))
+            .ok_or_else(|| bad(format!("no {META_KEY:?} metadata")))?;
+        let meta: Meta =
+            serde_json::from_str(json).map_err(|e| bad(format!("bad metadata: {e}")))?;
+        if meta.format_version != FORMAT_VERSION
+            || meta.model_sha256 != model_sha256
+            || meta.settings != *settings
+        {
+            return Err(bad(format!(
+                "made by format {} from model {} with {:?}, not format {FORMAT_VERSION} from {model_sha256} with {settings:?}",
+                meta.format_version, meta.model_sha256, meta.settings
+            )));
+        }
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
+        let mut tensors = HashMap::new();
+        for e in meta.tensors {
+            let dtype = match e.dtype.as_str() {
+                "q4_0" => GgmlDType::Q4_0,
+                "q4_k" => GgmlDType::Q4K,
+                other => return Err(bad(format!("{}: unknown block type {other:?}", e.name))),
+            };
+            let t = st
+                .tensor(&e.name)
+                .map_err(|_| bad(format!("tensor {} is missing", e.name)))?;
+            let [rows, cols] = e.shape;
+            let want = rows * cols / dtype.block_size() * dtype.type_size();
+            if t.dtype() != Dtype::U8 || t.data().len() != want {
+                return Err(bad(format!(
+                    "tensor {} holds {} bytes, {want} expected for {rows}x{cols} {}",
+                    e.name,
+                    t.data().len(),
+                    e.dtype
+                )));
+            }
+            tensors.insert(
+                e.name,
+                QuantizedMatrix {
+                    dtype,
+                    shape: e.shape,
+                    bytes: t.data().to_vec(),
+                },
+            );
+        }
+        Ok(Some(GptqCalibration {
+            tensors,
+            reports: meta.reports,
+            calibration_tokens: meta.calibration_tokens,
+            settings: meta.settings,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+    use switchyard_weights::{Architecture, SyntheticSource};
+
+    use super::*;
+
+    fn gaussian(rng: &mut StdRng, n: usize) -> Vec<f32> {
+        // Box-Muller, so the test needs no distribution crate.
+        (0..n)
+            .map(|_| {
+                let (u, v): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
+                ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+            })
+            .collect()
+    }
+
+    /// Calibration inputs `[n, cols]` with correlated channels and a few loud ones (as real
+    /// activations have), and their Hessian `XᵀX`.
+    fn inputs(rng: &mut StdRng, n: usize, cols: usize) -> (Vec<f32>, Vec<f64>) {
+        let z = gaussian(rng, n * cols);
+        let mix = gaussian(rng, cols * cols);
+        let mut x = vec![0.0f32; n * cols];
+        for r in 0..n {
+            for c in 0..cols {
+                // Each channel is itself plus a little of its 8 neighbours.
+                let mut v = z[r * cols + c];
+                for k in 1..=8 {
+                    v += 0.3 * mix[c * cols + (c + k) % cols] * z[r * cols + (c + k) % cols];
+                }
+                let loud = if c % 37 == 0 { 8.0 } else { 1.0 };
+                x[r * cols + c] = v * loud;
+            }
+        }
+        let mut h = vec![0.0f64; cols * cols];
+        for r in 0..n {
+            let row = &x[r * cols..(r + 1) * cols];
+            for i in 0..cols {
+                for j in 0..cols {
+                    h[i * cols + j] += f64::from(row[i]) * f64::from(row[j]);
+                }
+            }
+        }
+        (x, h)
+    }
+
+    /// GPTQ written the textbook way, in f64: the inverse Hessian by Gauss-Jordan elimination,
+    /// each quantized column's error spread with the current inverse's row, then that column
+    /// removed from the inverse (the OBS update), no Cholesky, no lazy blocks; Q4_0 grids by
+    /// ggml's rule (the signed value of largest magnitude is -8 steps), in `order`, with the
+    /// grids taken from the original weights when `static_grids`.
+    fn reference(
+        w: &[f32],
+        rows: usize,
+        cols: usize,
+        h: &[f64],
+        damp: f64,
+        order: &[usize],
+        static_grids: bool,
+    ) -> Vec<f32> {
+        let mut h = h.to_vec();
+        let mut w: Vec<f64> = w.iter().map(|&v| f64::from(v)).collect();
+        let mean = (0..cols).map(|i| h[i * cols + i]).sum::<f64>() / cols as f64;
+        for i in 0..cols {
+            h[i * cols + i] += damp * mean;
+        }
+        // Gauss-Jordan on [H | I].
+        let mut a = h.clone();
+        let mut inv = vec![0.0f64; cols * cols];
+        for i in 0..cols {
+            inv[i * cols + i] = 1.0;
+        }
+        for p in 0..cols {
+            let d = a[p * cols + p];
+            for j in 0..cols {
+                a[p * cols + j] /= d;
+                inv[p * cols + j] /= d;
+            }
+            for r in 0..cols {
+                if r != p {
+                    let f = a[r * cols + p];
+                    for j in 0..cols {
+                        a[r * cols + j] -= f * a[p * cols + j];
+                        inv[r * cols + j] -= f * inv[p * cols + j];
+                    }
+                }
+            }
+        }
+        let grid_of = |w: &[f64], r: usize, b: usize| -> f64 {
+            let block = &w[r * cols + b * 32..r * cols + b * 32 + 32];
+            let max = block
+                .iter()
+                .copied()
+                .fold(0.0f64, |m, v| if v.abs() > m.abs() { v } else { m });
+            f64::from(half::f16::from_f64(max / -8.0).to_f32())
+        };
+        let mut grids = vec![0.0f64; rows * cols / 32];
+        if static_grids {
+            for r in 0..rows {
+                for b in 0..cols / 32 {
+                    grids[r * cols / 32 + b] = grid_of(&w, r, b);
+                }
+            }
+        }
+        let mut out = vec![0.0f32; rows * cols];
+        let mut done = vec![false; cols];
+        for &i in order {
+            if !static_grids && i % 32 == 0 {
+                for r in 0..rows {
+                    grids[r * cols / 32 + i / 32] = grid_of(&w, r, i / 32);
+                }
+            }
+            let hii = inv[i * cols + i];
+            for r in 0..rows {
+                let d = grids[r * cols / 32 + i / 32];
+                let q = if d == 0.0 {
+                    0.0
+                } else {
+                    (w[r * cols + i] / d + 8.0).round().clamp(0.0, 15.0)
+                };
+                let value = d * (q - 8.0);
+                out[r * cols + i] = value as f32;
+                let err = (w[r * cols + i] - value) / hii;
+                for j in 0..cols {
+                    if !done[j] && j != i {
+                        w[r * cols + j] -= err * inv[i * cols + j];
+                    }
+                }
+            }
+            done[i] = true;
+            // Remove column i: Hinv -= Hinv[:, i] Hinv[i, :] / Hinv[i, i].
+            let col: Vec<f64> = (0..cols).map(|r| inv[r * cols + i]).collect();
+            let row: Vec<f64> = (0..cols).map(|j| inv[i * cols + j]).collect();
+            for r in 0..cols {
+                for j in 0..cols {
+                    inv[r * cols + j] -= col[r] * row[j] / hii;
+                }
+            }
+        }
+        out
+    }
+
+    fn rtn(w: &[f32], rows: usize, cols: usize, dtype: GgmlDType) -> Vec<f32> {
+        let t = Tensor::from_slice(w, (rows, cols), &Device::Cpu).unwrap();
+        QTensor::quantize(&t, dtype)
+            .unwrap()
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    #[test]
+    fn inverse_cholesky_factor_gives_the_inverse() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let n = 48;
+        let (_, h) = inputs(&mut rng, 200, n);
+        let hm = Mat::<f64>::from_fn(n, n, |i, j| h[i * n + j]);
+        let u = inverse_cholesky_upper(hm.as_ref()).unwrap();
+        for i in 0..n {
+            for j in 0..i {
+                assert_eq!(u[(i, j)], 0.0, "U is upper triangular");
+            }
+        }
+        // Uᵀ U H = I.
+        let p = u.transpose() * &u * &hm;
+        let mut worst = 0.0f64;
+        for i in 0..n {
+            for j in 0..n {
+                let want = if i == j { 1.0 } else { 0.0 };
+                worst = worst.max((p[(i, j)] - want).abs());
+            }
+        }
+        assert!(worst < 1e-8, "max |UᵀUH - I| = {worst:e}");
+    }
+
+    #[test]
+    fn gptq_equals_the_textbook_update_and_beats_round_to_nearest() {
+        let mut rng = StdRng::seed_from_u64(7);
+        let (rows, cols) = (16, 128);
+        let (_, h) = inputs(&mut rng, 512, cols);
+        let w = gaussian(&mut rng, rows * cols);
+        for act_order in [false, true] {
+            let settings = GptqSettings {
+                act_order,
+                ..GptqSettings::default()
+            };
+            let q = quantize_matrix(&w, rows, cols, &h, GgmlDType::Q4_0, &settings).unwrap();
+            let got = q.dequantize().unwrap();
+            let mut order: Vec<usize> = (0..cols).collect();
+            if act_order {
+                order.sort_by(|&a, &b| h[b * cols + b].total_cmp(&h[a * cols + a]));
+            }
+            let want = reference(&w, rows, cols, &h, settings.damp, &order, act_order);
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(worst < 1e-5, "act_order {act_order}: max |Δ| {worst:e}");
+
+            let (e_rtn, e_gptq) = (
+                reconstruction_error(&w, &rtn(&w, rows, cols, GgmlDType::Q4_0), rows, cols, &h),
+                reconstruction_error(&w, &got, rows, cols, &h),
+            );
+            eprintln!("Q4_0 act_order {act_order}: rtn {e_rtn:.4e} gptq {e_gptq:.4e}");
+            assert!(
+                e_gptq < 0.8 * e_rtn,
+                "GPTQ cuts the output error by over 20%: {e_gptq:e} vs {e_rtn:e}"
+            );
+        }
+    }
+
+    #[test]
+    fn gptq_in_q4_k_blocks_beats_round_to_nearest() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let (rows, cols) = (32, 512);
+        let (_, h) = inputs(&mut rng, 1024, cols);
+        let w = gaussian(&mut rng, rows * cols);
+        let e_rtn = reconstruction_error(&w, &rtn(&w, rows, cols, GgmlDType::Q4K), rows, cols, &h);
+        for act_order in [false, true] {
+            let settings = GptqSettings {
+                act_order,
+                ..GptqSettings::default()
+            };
+            let q = quantize_matrix(&w, rows, cols, &h, GgmlDType::Q4K, &settings).unwrap();
+            assert_eq!(q.bytes.len(), rows * 2 * 144);
+            let e = reconstruction_error(&w, &q.dequantize().unwrap(), rows, cols, &h);
+            eprintln!("Q4_K act_order {act_order}: rtn {e_rtn:.4e} gptq {e:.4e}");
+            assert!(e < 0.8 * e_rtn, "{e:e} vs {e_rtn:e}");
+        }
+    }
+
+    #[test]
+    fn shapes_that_do_not_fit_the_blocks_are_refused() {
+        let s = GptqSettings::default();
+        let err = quantize_matrix(&[0.0; 48], 2, 24, &[0.0; 576], GgmlDType::Q4_0, &s)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "GPTQ: a 2x24 matrix (48 values) with a 576-value Hessian does not fit Q4_0 blocks of 32"
+        );
+        let err = quantize_matrix(&[0.0; 64], 2, 32, &[0.0; 1024], GgmlDType::Q8_0, &s)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "GPTQ writes Q4_0 or Q4_K blocks, not Q8_0");
+    }
+
+    /// A whole (synthetic) model: every matrix of every layer is replaced, each GPTQ error is
+    /// below round-to-nearest's on the calibration inputs, the model loads the blocks as they
+    /// are, and the cache gives back the same bytes.
+    #[test]
+    fn calibrates_a_model_and_round_trips_through_the_cache() {
+        let spec = SyntheticSource::tiny_spec(Architecture::Qwen2);
+        let src: Arc<dyn WeightSource> =
+            Arc::new(SyntheticSource::new(spec, 5, GgmlDType::F32).unwrap());
+        let mut rng = StdRng::seed_from_u64(1);
+        let docs: Vec<Vec<u32>> = (0..4)
+            .map(|_| (0..48).map(|_| rng.random_range(0..256u32)).collect())
+            .collect();
+        let settings = GptqSettings {
+            docs: 4,
+            doc_tokens: 48,
+            ..GptqSettings::default()
+        };
+        let mut layers = Vec::new();
+        let cal = calibrate(
+            Arc::clone(&src),
+            &docs,
+            QuantTarget::Q4,
+            &settings,
+            |d, n| layers.push((d, n)),
+        )
+        .unwrap();
+        assert_eq!(layers, vec![(1, 4), (2, 4), (3, 4), (4, 4)]);
+        assert_eq!(cal.tensors.len(), 4 * 7);
+        assert_eq!(cal.calibration_tokens, 4 * 48);
+        for r in &cal.reports {
+            assert!(r.error_gptq < r.error_rtn, "{r:?}");
+        }
+        let (e_rtn, e_gptq) = cal.total_error();
+        assert!(e_gptq < 0.8 * e_rtn, "{e_gptq:e} vs {e_rtn:e}");
+
+        // Served as stored: the loaded model holds exactly the calibration's blocks.
+        let gptq_src = GptqSource::new(Arc::clone(&src), &cal);
+        let name = names::layer(2, "ffn_down.weight");
+        let loaded = gptq_src.load(&name, &Device::Cpu).unwrap();
+        assert_eq!(loaded.dtype(), GgmlDType::Q4_0);
+        assert_eq!(
+            loaded.data().unwrap().as_ref(),
+            cal.tensors[&name].bytes.as_slice()
+        );
+        let model = crate::precision::load(
+            Arc::clone(&src),
+            switchyard_request::Precision::Q4Gptq,
+            crate::precision::Calibrations {
+                awq: None,
+                gptq: Some(&cal),
+            },
+        )
+        .unwrap();
+        let q4 = crate::precision::load(
+            Arc::clone(&src),
+            switchyard_request::Precision::Q4,
+            Default::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            model.resident_bytes().total(),
+            q4.resident_bytes().total(),
+            "the same block types as q4"
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = cache::path(dir.path(), "ab".repeat(32).as_str(), &settings);
+        assert!(cache::load(&path, &"ab".repeat(32), &settings)
+            .unwrap()
+            .is_none());
+        cache::save(&path, &"ab".repeat(32), &cal).unwrap();
+        let back = cache::load(&path, &"ab".repeat(32), &settings)
+            .unwrap()
+            .unwrap();
+        assert_eq!(back.tensors.len(), cal.tensors.len());
+        for (k, v) in &cal.tensors {
+            assert_eq!(back.tensors[k].bytes, v.bytes);
+            assert_eq!(back.tensors[k].shape, v.shape);
+        }
+        // JSON keeps the errors to within the last digit.
+        assert_eq!(back.reports.len(), cal.reports.len());
+        for (a, b) in back.reports.iter().zip(&cal.reports) {
+            assert_eq!(a.name, b.name);
+            assert!((a.error_gptq - b.error_gptq).abs() <= 1e-12 * b.error_gptq);
+        }
+        // Other settings key another file; a file made for other settings is refused.
+        let other = GptqSettings {
+            act_order: false,
+            ..settings
+        };
+        assert_ne!(cache::path(dir.path(), &"ab".repeat(32), &other), path);
+        let err = cache::load(&path, &"ab".repeat(32), &other).unwrap_err();
+        assert!(err.to_string().contains("not format 1 from"), "{err}");
+        // A truncated file is an error, not a panic.
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+        assert!(cache::load(&path, &"ab".repeat(32), &settings).is_err());
+    }
+}
