@@ -1,9 +1,32 @@
 //! Chat prompts: the model's own Jinja chat template, rendered the way Hugging Face renders it.
+//!
+//! The template comes from a model file, so rendering is bounded: by fuel (minijinja's count of
+//! executed instructions), by the size of the output, and by the nesting depth. The template is
+//! compiled once, when the tokenizer loads; a syntax error is reported then.
+
+use std::io::Write;
 
 use minijinja::{context, Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TokenizerError};
+
+/// Instructions a render may run: this much for the template's own work, plus
+/// [`CHAT_TEMPLATE_FUEL_PER_MESSAGE`] for each message (a template walks the messages once).
+/// minijinja runs about 40 million instructions a second on one core here, so a runaway loop
+/// stops within milliseconds, and the ~36,000 empty messages a 1 MiB body can hold get about
+/// one second.
+pub const CHAT_TEMPLATE_FUEL: u64 = 100_000;
+pub const CHAT_TEMPLATE_FUEL_PER_MESSAGE: u64 = 1_000;
+/// Longest rendered prompt in bytes: four times the server's default request-body limit (1 MiB).
+/// A template adds markup around the messages, not megabytes.
+pub const MAX_CHAT_PROMPT_BYTES: usize = 4 << 20;
+/// Deepest nesting of template frames (a macro call takes about five). minijinja's default,
+/// 500, lets a recursive macro run 100 calls deep; real chat templates nest a few levels.
+pub const CHAT_TEMPLATE_RECURSION: usize = 100;
+
+/// The name the compiled template has in its environment.
+const NAME: &str = "chat";
 
 /// One turn of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -21,46 +44,135 @@ impl ChatMessage {
     }
 }
 
-/// Renders `template` with Hugging Face's settings: `trim_blocks` and `lstrip_blocks` on,
-/// Python string methods (via minijinja-contrib's pycompat) and `raise_exception` available.
-pub(crate) fn render(
+/// A compiled chat template with Hugging Face's settings: `trim_blocks` and `lstrip_blocks`
+/// on, Python string methods (via minijinja-contrib's pycompat) and `raise_exception`
+/// available.
+#[derive(Clone)]
+pub(crate) struct ChatTemplate {
+    source: String,
+    env: Environment<'static>,
+}
+
+impl ChatTemplate {
+    /// Compiles `source`; a syntax error is an error here.
+    pub(crate) fn new(source: String) -> Result<Self> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_recursion_limit(CHAT_TEMPLATE_RECURSION);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |message: String| -> std::result::Result<String, Error> {
+                Err(Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
+        env.add_template_owned(NAME, source.clone())
+            .map_err(describe)?;
+        Ok(Self { source, env })
+    }
+
+    pub(crate) fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Renders the conversation within the fuel, output and nesting limits.
+    pub(crate) fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        bos_token: &str,
+        eos_token: &str,
+    ) -> Result<String> {
+        let fuel = CHAT_TEMPLATE_FUEL
+            .saturating_add(CHAT_TEMPLATE_FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64));
+        let mut env = self.env.clone();
+        env.set_fuel(Some(fuel));
+        let template = env.get_template(NAME).map_err(describe)?;
+        let mut out = Capped::default();
+        let rendered = template.render_captured_to(
+            context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => bos_token,
+                eos_token => eos_token,
+            },
+            &mut out,
+        );
+        match rendered {
+            Ok(_) => String::from_utf8(out.bytes).map_err(|e| TokenizerError::ChatTemplate {
+                detail: format!("its output is not UTF-8: {e}"),
+            }),
+            Err(_) if out.overflowed => Err(TokenizerError::ChatTemplate {
+                detail: format!("its output passed {MAX_CHAT_PROMPT_BYTES} bytes"),
+            }),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(TokenizerError::ChatTemplate {
+                detail: format!(
+                    "it ran past {fuel} instructions ({CHAT_TEMPLATE_FUEL} plus {CHAT_TEMPLATE_FUEL_PER_MESSAGE} per message, {} message{})",
+                    messages.len(),
+                    if messages.len() == 1 { "" } else { "s" }
+                ),
+            }),
+            Err(e) => Err(describe(e)),
+        }
+    }
+}
+
+/// The rendered bytes, refusing to grow past [`MAX_CHAT_PROMPT_BYTES`] (the refusal ends the
+/// render).
+#[derive(Default)]
+struct Capped {
+    bytes: Vec<u8>,
+    overflowed: bool,
+}
+
+impl Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len() + buf.len() > MAX_CHAT_PROMPT_BYTES {
+            self.overflowed = true;
+            return Err(std::io::Error::other("the chat prompt is too long"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A minijinja error with its chain of causes.
+fn describe(e: Error) -> TokenizerError {
+    let mut detail = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        detail.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    TokenizerError::ChatTemplate { detail }
+}
+
+/// Compiles and renders `template` once (tests).
+#[cfg(test)]
+fn render(
     template: &str,
     messages: &[ChatMessage],
     add_generation_prompt: bool,
     bos_token: &str,
     eos_token: &str,
 ) -> Result<String> {
-    let mut env = Environment::new();
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function(
-        "raise_exception",
-        |message: String| -> std::result::Result<String, Error> {
-            Err(Error::new(ErrorKind::InvalidOperation, message))
-        },
-    );
-    let describe = |e: Error| {
-        let mut detail = e.to_string();
-        let mut source = std::error::Error::source(&e);
-        while let Some(s) = source {
-            detail.push_str(&format!(": {s}"));
-            source = s.source();
-        }
-        TokenizerError::ChatTemplate { detail }
-    };
-    let tmpl = env.template_from_str(template).map_err(describe)?;
-    tmpl.render(context! {
-        messages => messages,
-        add_generation_prompt => add_generation_prompt,
-        bos_token => bos_token,
-        eos_token => eos_token,
-    })
-    .map_err(describe)
+    ChatTemplate::new(template.to_string())?.render(
+        messages,
+        add_generation_prompt,
+        bos_token,
+        eos_token,
+    )
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::{Duration, Instant};
+
     use super::*;
 
     #[test]
@@ -76,6 +188,62 @@ mod tests {
         )
         .expect("renders");
         assert_eq!(out, "  USER: hi\n<s>>");
+    }
+
+    /// Why rendering `template` fails, on a thread, so that a test of a template that never
+    /// ends fails instead of hanging.
+    fn render_error(template: &str, limit: Duration) -> TokenizerError {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let template = template.to_string();
+        std::thread::spawn(move || {
+            let _ = tx.send(render(
+                &template,
+                &[ChatMessage::new("user", "hi")],
+                true,
+                "",
+                "",
+            ));
+        });
+        match rx.recv_timeout(limit) {
+            Ok(Ok(text)) => panic!("rendered {} bytes", text.len()),
+            Ok(Err(e)) => e,
+            Err(_) => panic!("rendering did not end within {limit:?}"),
+        }
+    }
+
+    /// 10^10 loop iterations: the fuel ends them at once.
+    #[test]
+    fn a_template_that_loops_for_ever_runs_out_of_fuel() {
+        let t = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}";
+        let t0 = Instant::now();
+        let err = render_error(t, Duration::from_secs(10));
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        assert_eq!(
+            err.to_string(),
+            "chat template failed: it ran past 101000 instructions (100000 plus 1000 per message, 1 message)"
+        );
+    }
+
+    /// 200 MB of output stops at the cap.
+    #[test]
+    fn output_past_the_cap_is_refused() {
+        let t = "{% for i in range(200) %}{{ 'x' * 1000000 }}{% endfor %}";
+        let err = render_error(t, Duration::from_secs(10));
+        assert_eq!(
+            err.to_string(),
+            "chat template failed: its output passed 4194304 bytes"
+        );
+    }
+
+    /// A macro calling itself 30 deep (about 150 levels) passes the limit.
+    #[test]
+    fn deep_recursion_is_refused() {
+        let t = "{% macro f(n) %}{% if n < 30 %}{{ f(n + 1) }}{% endif %}{% endmacro %}{{ f(0) }}";
+        let err = render_error(t, Duration::from_secs(10));
+        assert!(
+            err.to_string().contains("recursion limit exceeded"),
+            "{err}"
+        );
     }
 
     #[test]

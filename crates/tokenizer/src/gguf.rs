@@ -11,7 +11,7 @@ use crate::pretok::{self, PreTokenizerSpec};
 use crate::specials::{self, DeclaredIds};
 use crate::spm::SpmModel;
 use crate::vocab::{TokenAttr, Vocab};
-use crate::{Engine, Tokenizer};
+use crate::{ChatTemplate, Engine, Tokenizer};
 
 const KEY_MODEL: &str = "tokenizer.ggml.model";
 const KEY_PRE: &str = "tokenizer.ggml.pre";
@@ -168,14 +168,18 @@ pub(crate) fn from_metadata(md: &Metadata) -> Result<Tokenizer> {
         }
     };
 
-    Ok(Tokenizer {
+    Tokenizer {
         vocab,
         engine,
         specials,
         add_space_prefix,
         clean_spaces: defaults.clean_spaces,
-        chat_template: md.opt_str(KEY_CHAT_TEMPLATE)?.map(str::to_owned),
-    })
+        chat_template: md
+            .opt_str(KEY_CHAT_TEMPLATE)?
+            .map(|t| ChatTemplate::new(t.to_owned()))
+            .transpose()?,
+    }
+    .with_checked_chat_template()
 }
 
 /// Splits a GGUF merge line the way llama.cpp does: at the first space after the first byte.
@@ -237,6 +241,62 @@ pub(crate) fn byte_level_engine(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A SentencePiece vocabulary `<unk> <s> </s> a b` with `template` as its chat template.
+    fn metadata_with_template(template: &str) -> Metadata {
+        use switchyard_weights::MetaValue;
+        let pieces = ["<unk>", "<s>", "</s>", "a", "b"];
+        let mut md = Metadata::new(Default::default());
+        md.insert("tokenizer.ggml.model", MetaValue::String("llama".into()));
+        md.insert(
+            "tokenizer.ggml.tokens",
+            MetaValue::Array(
+                pieces
+                    .iter()
+                    .map(|p| MetaValue::String(p.to_string()))
+                    .collect(),
+            ),
+        );
+        md.insert(
+            "tokenizer.ggml.token_type",
+            MetaValue::Array([2, 3, 3, 1, 1].map(MetaValue::I32).to_vec()),
+        );
+        md.insert(KEY_CHAT_TEMPLATE, MetaValue::String(template.into()));
+        md
+    }
+
+    /// A template that cannot render one message within its limits, or does not compile, is
+    /// refused when the tokenizer loads.
+    #[test]
+    fn a_bad_chat_template_is_refused_at_load() {
+        let ok = from_metadata(&metadata_with_template(
+            "{% for m in messages %}{{ m.content }}{% endfor %}",
+        ))
+        .expect("loads");
+        assert_eq!(
+            ok.apply_chat_template(&[crate::ChatMessage::new("user", "ab")], true)
+                .ok()
+                .as_deref(),
+            Some("ab")
+        );
+        let hang =
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}";
+        let err = from_metadata(&metadata_with_template(hang))
+            .err()
+            .map(|e| e.to_string());
+        assert_eq!(
+            err.as_deref(),
+            Some("chat template failed: on a one-message conversation at load time, it ran past 101000 instructions (100000 plus 1000 per message, 1 message)")
+        );
+        let err = from_metadata(&metadata_with_template("{% for m in messages %}"))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.starts_with("chat template failed: syntax error"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn merges_split_at_first_space_after_first_byte() {

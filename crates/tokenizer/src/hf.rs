@@ -30,7 +30,7 @@ use crate::error::{Result, TokenizerError};
 use crate::specials::{self, DeclaredIds};
 use crate::spm::{parse_byte_token, SpmModel, SPACE_MARK};
 use crate::vocab::{TokenAttr, Vocab};
-use crate::{Engine, Tokenizer};
+use crate::{ChatTemplate, Engine, Tokenizer};
 
 const TOKENIZER_JSON: &str = "tokenizer.json";
 const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
@@ -338,14 +338,15 @@ pub(crate) fn load(tokenizer_json: &Path, tokenizer_config: Option<&Path>) -> Re
         ),
     };
 
-    Ok(Tokenizer {
+    Tokenizer {
         vocab,
         engine,
         specials,
         add_space_prefix,
         clean_spaces,
-        chat_template,
-    })
+        chat_template: chat_template.map(ChatTemplate::new).transpose()?,
+    }
+    .with_checked_chat_template()
 }
 
 /// The same pipeline minus the added vocabulary, which [`Vocab::partition`] replaces.
@@ -509,8 +510,8 @@ pub(crate) fn save(tok: &Tokenizer, dir: &Path) -> Result<()> {
         "eos_token": piece(tok.specials.eos),
         "clean_up_tokenization_spaces": tok.clean_spaces,
     });
-    if let (Some(template), Some(map)) = (&tok.chat_template, config.as_object_mut()) {
-        map.insert("chat_template".into(), Value::String(template.clone()));
+    if let (Some(template), Some(map)) = (tok.chat_template(), config.as_object_mut()) {
+        map.insert("chat_template".into(), Value::String(template.to_string()));
     }
     let config_path = dir.join(TOKENIZER_CONFIG);
     let text = serde_json::to_string_pretty(&config).map_err(|e| format_error(&config_path, e))?;

@@ -25,10 +25,14 @@ use std::path::Path;
 
 use switchyard_weights::{Metadata, TokenizerOrigin, WeightSource};
 
-pub use chat::ChatMessage;
+pub use chat::{
+    ChatMessage, CHAT_TEMPLATE_FUEL, CHAT_TEMPLATE_FUEL_PER_MESSAGE, CHAT_TEMPLATE_RECURSION,
+    MAX_CHAT_PROMPT_BYTES,
+};
 pub use decode::StreamDecoder;
 pub use error::{Result, TokenizerError};
 
+use chat::ChatTemplate;
 use decode::PieceStyle;
 use specials::Specials;
 use spm::{SpmModel, SPACE_MARK};
@@ -55,7 +59,7 @@ pub struct Tokenizer {
     add_space_prefix: bool,
     /// llama.cpp's `clean_spaces` detokenizer pass (see [`decode::clean_spaces`]).
     clean_spaces: bool,
-    chat_template: Option<String>,
+    chat_template: Option<ChatTemplate>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -203,14 +207,16 @@ impl Tokenizer {
     }
 
     pub fn chat_template(&self) -> Option<&str> {
-        self.chat_template.as_deref()
+        self.chat_template.as_ref().map(ChatTemplate::source)
     }
 
     /// Renders the model's chat template with `messages`, `add_generation_prompt`, `bos_token`
     /// and `eos_token`, as Hugging Face and llama-cpp-python do (`trim_blocks`,
     /// `lstrip_blocks`, Python string methods, `raise_exception`). Tokenize the result with
     /// `parse_special = true`. A model without a template gives
-    /// [`TokenizerError::NoChatTemplate`].
+    /// [`TokenizerError::NoChatTemplate`]. Rendering is bounded ([`CHAT_TEMPLATE_FUEL`],
+    /// [`MAX_CHAT_PROMPT_BYTES`], [`CHAT_TEMPLATE_RECURSION`]); a template past a bound is an
+    /// error.
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
@@ -218,16 +224,31 @@ impl Tokenizer {
     ) -> Result<String> {
         let template = self
             .chat_template
-            .as_deref()
+            .as_ref()
             .ok_or(TokenizerError::NoChatTemplate)?;
         let text = |id: Option<u32>| id.and_then(|i| self.vocab.piece(i)).unwrap_or_default();
-        chat::render(
-            template,
+        template.render(
             messages,
             add_generation_prompt,
             text(self.specials.bos),
             text(self.specials.eos),
         )
+    }
+
+    /// Renders a one-message conversation, so that a template that cannot (a syntax error, a
+    /// loop that never ends, output without end) is refused when the model loads instead of
+    /// failing every chat request.
+    fn with_checked_chat_template(self) -> Result<Self> {
+        if self.chat_template.is_some() {
+            self.apply_chat_template(&[ChatMessage::new("user", "Hello")], true)
+                .map_err(|e| match e {
+                    TokenizerError::ChatTemplate { detail } => TokenizerError::ChatTemplate {
+                        detail: format!("on a one-message conversation at load time, {detail}"),
+                    },
+                    other => other,
+                })?;
+        }
+        Ok(self)
     }
 
     /// Writes `tokenizer.json` and `tokenizer_config.json` into `dir` (created if missing) so

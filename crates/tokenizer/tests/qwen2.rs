@@ -133,3 +133,8 @@ fn stream_matches_decode() {
 fn save_hf_round_trips() {
     assert_hf_round_trip(tok(), CASES, AS_TEXT);
 }
+
+#[test]
+fn the_longest_conversation_a_request_can_hold_renders() {
+    common::assert_the_longest_conversation_renders(tok());
+}

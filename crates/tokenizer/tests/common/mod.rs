@@ -98,3 +98,29 @@ pub fn conversation() -> Vec<ChatMessage> {
 /// Emoji (with skin tone and ZWJ sequences) and CJK, ending with a rare ideograph and emoji that
 /// even Gemma's vocabulary spells byte by byte.
 pub const STREAM_TEXT: &str = "👋🏽 hi 🚀 你好，世界 👨\u{200d}👩\u{200d}👧 naïve ❤\u{fe0f} 𪚥🦩";
+
+/// The most messages a 1 MiB request body can hold (`{"role":"user","content":""},` is 29
+/// bytes): the chat template's fuel must cover them.
+pub const MESSAGES_IN_ONE_MIB: usize = (1 << 20) / 29;
+
+/// A conversation of [`MESSAGES_IN_ONE_MIB`] alternating turns renders within the template's
+/// limits, with one `<|im_start|>` per message.
+pub fn assert_the_longest_conversation_renders(tok: &Tokenizer) {
+    let messages: Vec<ChatMessage> = (0..MESSAGES_IN_ONE_MIB)
+        .map(|i| ChatMessage::new(if i % 2 == 0 { "user" } else { "assistant" }, "x"))
+        .collect();
+    let t0 = std::time::Instant::now();
+    let text = tok
+        .apply_chat_template(&messages, true)
+        .expect("the longest conversation renders");
+    assert!(
+        text.matches("<|im_start|>").count() > MESSAGES_IN_ONE_MIB,
+        "{} bytes",
+        text.len()
+    );
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        t0.elapsed()
+    );
+}
