@@ -2,7 +2,10 @@
 //! names the offending field. Nothing past this module sees unchecked input.
 
 use serde_json::{Map, Value};
-use switchyard_request::{SamplingParams, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
+use switchyard_request::{
+    SamplingParams, MAX_REPETITION_PENALTY, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES,
+    MIN_REPETITION_PENALTY,
+};
 use switchyard_tokenizer::ChatMessage;
 
 use crate::error::ApiError;
@@ -179,10 +182,13 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
         },
     };
     let repetition_penalty = f.number("repetition_penalty")?.unwrap_or(1.0);
-    if !(repetition_penalty > 0.0 && repetition_penalty.is_finite()) {
+    let penalties = MIN_REPETITION_PENALTY as f64..=MAX_REPETITION_PENALTY as f64;
+    if !penalties.contains(&repetition_penalty) {
         return Err(ApiError::invalid(
             "repetition_penalty",
-            "`repetition_penalty` must be positive",
+            format!(
+                "`repetition_penalty` must be between {MIN_REPETITION_PENALTY} and {MAX_REPETITION_PENALTY}, got {repetition_penalty}"
+            ),
         ));
     }
     let seed = match obj.get("seed") {
@@ -554,6 +560,16 @@ mod tests {
         assert_eq!(
             err(Completions, r#"{"model":"m","prompt":"x","temperature":3}"#),
             (422, "`temperature` must be between 0 and 2, got 3".into())
+        );
+        assert_eq!(
+            err(
+                Completions,
+                r#"{"model":"m","prompt":"x","repetition_penalty":0.001}"#
+            ),
+            (
+                422,
+                "`repetition_penalty` must be between 0.01 and 100, got 0.001".into()
+            )
         );
         assert_eq!(
             err(Completions, r#"{"model":"m","prompt":"x","n":5}"#),
