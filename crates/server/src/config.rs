@@ -18,6 +18,12 @@ pub const DEFAULT_REQUEST_TIMEOUT_S: u64 = 600;
 pub const DEFAULT_SHUTDOWN_GRACE_S: u64 = 30;
 /// How often remote backends are health-checked.
 pub const DEFAULT_HEALTH_INTERVAL_S: u64 = 10;
+/// A request body must arrive within this (nginx's `client_body_timeout` is 60 s; 30 s still
+/// carries the default 1 MiB limit at under 300 kbit/s).
+pub const DEFAULT_BODY_TIMEOUT_S: u64 = 30;
+/// Longest timeout or interval accepted, in seconds: a day is longer than any request should
+/// wait, and far from where `Instant + Duration` overflows.
+pub const MAX_TIMEOUT_S: u64 = 86_400;
 /// Most stop strings a request may carry.
 pub const MAX_STOP: usize = switchyard_request::MAX_STOP_STRINGS;
 
@@ -98,6 +104,8 @@ pub struct ServerSection {
     pub max_body_bytes: usize,
     pub max_in_flight: usize,
     pub request_timeout_s: u64,
+    /// Seconds a client has to send the whole request body (408 after).
+    pub body_timeout_s: u64,
     pub shutdown_grace_s: u64,
 }
 
@@ -111,6 +119,7 @@ impl Default for ServerSection {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             request_timeout_s: DEFAULT_REQUEST_TIMEOUT_S,
+            body_timeout_s: DEFAULT_BODY_TIMEOUT_S,
             shutdown_grace_s: DEFAULT_SHUTDOWN_GRACE_S,
         }
     }
@@ -317,7 +326,30 @@ impl Config {
                 "server.max_in_flight and server.max_body_bytes must be positive".into(),
             ));
         }
+        seconds("server.request_timeout_s", self.server.request_timeout_s)?;
+        seconds("server.body_timeout_s", self.server.body_timeout_s)?;
+        for b in &self.backends {
+            for (key, value) in [
+                ("timeout_s", b.timeout_s),
+                ("health_interval_s", b.health_interval_s),
+            ] {
+                if let Some(v) = value {
+                    seconds(&format!("backend {:?}: {key}", b.name), v)?;
+                }
+            }
+        }
         Ok(())
+    }
+}
+
+/// A timeout or interval must be 1 to [`MAX_TIMEOUT_S`] seconds.
+fn seconds(what: &str, value: u64) -> Result<(), ConfigError> {
+    if (1..=MAX_TIMEOUT_S).contains(&value) {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid(format!(
+            "{what} must be between 1 and {MAX_TIMEOUT_S} seconds, got {value}"
+        )))
     }
 }
 
@@ -389,6 +421,53 @@ mod tests {
         assert!(e.contains("cbc_max"), "{e}");
         let twice = "[helios]\nname = \"m\"\nmanifest = \"x\"\n[[models]]\nname = \"m\"";
         assert!(Config::parse(twice).is_err());
+    }
+
+    /// Timeouts and intervals of 0 would never wait (or spin), and one near `u64::MAX` seconds
+    /// overflowed `Instant + Duration` on the first streamed request.
+    #[test]
+    fn timeouts_and_intervals_outside_their_range_are_refused() {
+        let model = "[[models]]\nname = \"m\"\n";
+        let backend =
+            "[[backends]]\nkind = \"openai\"\nname = \"r\"\nurl = \"http://127.0.0.1:9\"\n";
+        let cases = [
+            (
+                format!("[server]\nrequest_timeout_s = 0\n{model}"),
+                "server.request_timeout_s must be between 1 and 86400 seconds, got 0",
+            ),
+            (
+                format!("[server]\nrequest_timeout_s = 9223372036854775807\n{model}"),
+                "server.request_timeout_s must be between 1 and 86400 seconds, got 9223372036854775807",
+            ),
+            (
+                format!("[server]\nbody_timeout_s = 0\n{model}"),
+                "server.body_timeout_s must be between 1 and 86400 seconds, got 0",
+            ),
+            (
+                format!("{backend}health_interval_s = 0\n"),
+                "backend \"r\": health_interval_s must be between 1 and 86400 seconds, got 0",
+            ),
+            (
+                format!("{backend}timeout_s = 0\n"),
+                "backend \"r\": timeout_s must be between 1 and 86400 seconds, got 0",
+            ),
+            (
+                format!("{backend}timeout_s = 86401\n"),
+                "backend \"r\": timeout_s must be between 1 and 86400 seconds, got 86401",
+            ),
+        ];
+        for (toml, want) in cases {
+            let err = Config::parse(&toml).err().map(|e| e.to_string());
+            assert_eq!(err.as_deref(), Some(want), "{toml}");
+        }
+        let cfg = Config::parse(&format!(
+            "[server]\nrequest_timeout_s = 86400\nbody_timeout_s = 5\n{model}"
+        ))
+        .expect("the bounds are allowed");
+        assert_eq!(
+            (cfg.server.request_timeout_s, cfg.server.body_timeout_s),
+            (86_400, 5)
+        );
     }
 
     #[test]

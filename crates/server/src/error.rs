@@ -35,6 +35,8 @@ pub enum ApiError {
     Overloaded(usize),
     #[error("the request took longer than {0} s")]
     Timeout(u64),
+    #[error("the request body did not arrive within {0} s")]
+    BodyTimeout(u64),
     #[error("the backend for `{model}` is unavailable: {detail}")]
     BackendUnavailable { model: String, detail: String },
     #[error("the server is shutting down")]
@@ -56,6 +58,7 @@ impl ApiError {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::BackendUnavailable { .. } => StatusCode::BAD_GATEWAY,
             ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -74,7 +77,7 @@ impl ApiError {
             ApiError::UnknownModel(_) => "not_found_error",
             ApiError::Unauthorized => "authentication_error",
             ApiError::Overloaded(_) => "rate_limit_error",
-            ApiError::Timeout(_) => "timeout_error",
+            ApiError::Timeout(_) | ApiError::BodyTimeout(_) => "timeout_error",
             ApiError::BackendUnavailable { .. } | ApiError::ShuttingDown => "service_unavailable",
             ApiError::Internal(_) => "server_error",
         }

@@ -96,16 +96,20 @@ impl RemoteModel {
         }
     }
 
-    /// Forwards the request; a streamed answer is relayed unchanged as it arrives.
+    /// Forwards the request: `body` as the client sent it (fields this server does not know
+    /// included), with the remote's model name. A streamed answer is relayed unchanged as it
+    /// arrives.
     pub async fn forward(
         self: &Arc<Self>,
         req: &ValidRequest,
+        body: &[u8],
         admission: RemoteAdmission,
     ) -> Result<Response, ApiError> {
         if !self.is_healthy() {
             return Err(self.unavailable("the last health check failed"));
         }
-        let mut body = req.raw.clone();
+        let mut body: serde_json::Value = serde_json::from_slice(body)
+            .map_err(|e| ApiError::Malformed(format!("the request body is not valid JSON: {e}")))?;
         if let Some(o) = body.as_object_mut() {
             o.insert("model".into(), self.remote_model.clone().into());
         }

@@ -77,10 +77,7 @@ async fn generate_inner(
     if !ct.to_ascii_lowercase().starts_with("application/json") {
         return Err((unknown(), ApiError::ContentType(ct.to_string())));
     }
-    let limit = state.config.max_body_bytes;
-    let bytes = axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| (unknown(), ApiError::TooLarge { limit }))?;
+    let bytes = read_body(state, body).await.map_err(|e| (unknown(), e))?;
     let req = validate::parse(endpoint, &bytes).map_err(|e| (unknown(), e))?;
     let name = req.model.clone();
     let served = state
@@ -88,6 +85,13 @@ async fn generate_inner(
         .get(&name)
         .cloned()
         .ok_or_else(|| (unknown(), ApiError::UnknownModel(name.clone())))?;
+    // Only a remote backend needs the body as sent; it is not kept for local requests.
+    let forwarded = if matches!(served, Served::Remote(_)) {
+        Some(bytes)
+    } else {
+        drop(bytes);
+        None
+    };
     let fail = |e: ApiError| (name.clone(), e);
     match served {
         Served::Local(m) => {
@@ -146,7 +150,8 @@ async fn generate_inner(
         }
         Served::Remote(r) => {
             let admission = r.admit(state.config.max_in_flight).map_err(fail)?;
-            let resp = r.forward(&req, admission).await.map_err(fail)?;
+            let body = forwarded.unwrap_or_default();
+            let resp = r.forward(&req, &body, admission).await.map_err(fail)?;
             Ok((name, resp))
         }
         Served::Helios(h) => {
@@ -167,6 +172,16 @@ async fn generate_inner(
             Ok((name, resp))
         }
     }
+}
+
+/// The request body, at most `max_body_bytes` of it, within `body_timeout_s`.
+async fn read_body(state: &AppState, body: Body) -> Result<axum::body::Bytes, ApiError> {
+    let limit = state.config.max_body_bytes;
+    let secs = state.config.body_timeout_s;
+    tokio::time::timeout(Duration::from_secs(secs), axum::body::to_bytes(body, limit))
+        .await
+        .map_err(|_| ApiError::BodyTimeout(secs))?
+        .map_err(|_| ApiError::TooLarge { limit })
 }
 
 /// Admits a prepared request to a local engine and answers it, streamed or whole.
@@ -863,11 +878,7 @@ pub async fn admin_stats(State(state): State<Arc<AppState>>) -> Response {
 /// step on (its first N layers must be resident).
 pub async fn admin_depth(State(state): State<Arc<AppState>>, body: Body) -> Response {
     let result: Result<Value, ApiError> = async {
-        let bytes = axum::body::to_bytes(body, state.config.max_body_bytes)
-            .await
-            .map_err(|_| ApiError::TooLarge {
-                limit: state.config.max_body_bytes,
-            })?;
+        let bytes = read_body(&state, body).await?;
         let v: Value = serde_json::from_slice(&bytes)
             .map_err(|e| ApiError::Malformed(format!("the request body is not valid JSON: {e}")))?;
         let name = v

@@ -62,8 +62,6 @@ pub struct ValidRequest {
     /// vLLM's `return_tokens_as_token_ids`: log-probability listings name each token as
     /// `token_id:<id>` instead of its text, so a client can recover the exact ids.
     pub tokens_as_ids: bool,
-    /// The body as sent (forwarded as is to remote backends).
-    pub raw: Value,
 }
 
 /// Parses and checks a request body for `endpoint`.
@@ -277,7 +275,6 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
         include_usage,
         logprobs,
         tokens_as_ids,
-        raw,
     })
 }
 

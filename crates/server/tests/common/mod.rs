@@ -1,5 +1,8 @@
-//! An in-process server on a free loopback port, for the HTTP tests.
+//! An in-process server on a free loopback port, for the HTTP tests; [`synthetic`] serves
+//! tiny random models instead of the zoo's.
 #![allow(dead_code)]
+
+pub mod synthetic;
 
 use std::sync::Arc;
 
