@@ -153,6 +153,19 @@ impl LocalModel {
         Ok(EngineRequest { prompt, params })
     }
 
+    /// [`LocalModel::prepare`] on the blocking pool: rendering a chat template and tokenizing
+    /// a long prompt are CPU work that must not hold one of the runtime's few workers. The
+    /// request comes back beside its engine request.
+    pub async fn prepare_blocking(
+        self: &Arc<Self>,
+        req: ValidRequest,
+    ) -> Result<(ValidRequest, EngineRequest), ApiError> {
+        let m = Arc::clone(self);
+        tokio::task::spawn_blocking(move || m.prepare(&req).map(|e| (req, e)))
+            .await
+            .map_err(|e| ApiError::Internal(format!("preparing the request failed: {e}")))?
+    }
+
     /// Text of one token for log-probability listings.
     pub fn piece(&self, id: u32) -> String {
         self.info.tokenizer.decode(&[id], false).unwrap_or_default()

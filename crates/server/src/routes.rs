@@ -95,12 +95,12 @@ async fn generate_inner(
     let fail = |e: ApiError| (name.clone(), e);
     match served {
         Served::Local(m) => {
-            let engine_req = m.prepare(&req).map_err(fail)?;
+            let (req, engine_req) = m.prepare_blocking(req).await.map_err(fail)?;
             let resp = serve_local(state, m, req, engine_req).await.map_err(fail)?;
             Ok((name, resp))
         }
         Served::Modes(ms) => {
-            let engine_req = ms.base.prepare(&req).map_err(fail)?;
+            let (req, engine_req) = ms.base.prepare_blocking(req).await.map_err(fail)?;
             let _in_flight = ms.enter();
             let workload = headers
                 .get("x-switchyard-workload")

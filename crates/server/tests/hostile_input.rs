@@ -50,3 +50,75 @@ fn a_body_that_never_arrives_times_out() {
         );
     });
 }
+
+/// A chat template that passes the load-time check (one "Hello" message) but loops 10^10
+/// times when a message says "spin".
+const SPIN_TEMPLATE: &str = "{% for m in messages %}{% if m.content == 'spin' %}\
+    {% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}\
+    {% endif %}{{ m.content }}{% endfor %}";
+/// How long `/health` may take to answer while an attack runs.
+const HEALTH_BOUND: Duration = Duration::from_millis(500);
+/// How often `/health` is asked during an attack, and when a probe gives up.
+const PROBE_EVERY: Duration = Duration::from_millis(50);
+const PROBE_GIVE_UP: Duration = Duration::from_secs(5);
+
+/// Posts `body` as JSON to `path`: status and body (`None` when there was no answer within
+/// `limit`).
+async fn post_json(
+    client: &reqwest::Client,
+    url: String,
+    body: &serde_json::Value,
+) -> Option<(u16, serde_json::Value)> {
+    let resp = client.post(url).json(body).send().await.ok()?;
+    let status = resp.status().as_u16();
+    let body = resp.json().await.unwrap_or(serde_json::Value::Null);
+    Some((status, body))
+}
+
+/// Messages in each hostile chat: their fuel (100,000 + 1,000 each) is about half a second
+/// of rendering, all of it spent spinning.
+const SPIN_MESSAGES: usize = 20_000;
+
+/// Twice as many "spin" chats as the runtime has workers, at once. Before, each held a worker
+/// for ever (no fuel) and `/health` stopped answering; with fuel alone, each still held a
+/// worker for half a second. Now they run out of fuel on the blocking pool and get 400.
+#[test]
+fn a_hostile_chat_template_is_stopped_while_health_answers() {
+    let server = synthetic::serve(
+        "",
+        vec![(MODEL, synthetic::engine(MODEL, Some(SPIN_TEMPLATE)))],
+    );
+    let base = server.base.clone();
+    synthetic::client_runtime().block_on(async {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .expect("client");
+        let messages = vec![serde_json::json!({"role": "user", "content": "spin"}); SPIN_MESSAGES];
+        let body = serde_json::json!({"model": MODEL, "messages": messages, "max_tokens": 1});
+        let attack = async {
+            let t0 = Instant::now();
+            let answers = futures::future::join_all(
+                (0..2 * synthetic::WORKERS)
+                    .map(|_| post_json(&client, format!("{base}/v1/chat/completions"), &body)),
+            )
+            .await;
+            (t0.elapsed(), answers)
+        };
+        let (worst, (took, answers)) =
+            synthetic::health_during(&base, PROBE_EVERY, PROBE_GIVE_UP, attack).await;
+        println!(
+            "hostile template: /health answered within {worst:?}; the chats ended after {took:?}"
+        );
+        for a in answers {
+            let (status, body) = a.expect("the chat was answered");
+            assert_eq!(status, 400, "{body}");
+            assert_eq!(
+                body["error"]["message"],
+                "chat template failed: it ran past 20100000 instructions (100000 plus 1000 per message, 20000 messages)"
+            );
+        }
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        assert!(worst < HEALTH_BOUND, "/health took {worst:?}");
+    });
+}
