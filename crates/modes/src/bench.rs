@@ -634,7 +634,8 @@ fn score_quality(
 /// Held-out ShareGPT text (conversations the workloads do not use: from the end of the
 /// readable part of the file backwards is not possible on a stream, so the workloads take
 /// the first conversations and this takes every conversation from the 2000th on).
-fn held_out_text(tokenizer: &Tokenizer, tokens: usize) -> Result<String> {
+/// At least `tokens` tokens of it: the text every precision's bits per byte are measured on.
+pub fn held_out_text(tokenizer: &Tokenizer, tokens: usize) -> Result<String> {
     let path = switchyard_zoo::ensure("sharegpt")?;
     let mut text = String::new();
     let mut count = 0;

@@ -68,6 +68,9 @@ pub struct GptqSettings {
     /// Visit columns in order of decreasing Hessian diagonal (largest activations first); the
     /// block grids then come from the original weights ("static groups").
     pub act_order: bool,
+    /// Search each Q4_0 block's scale for the least Hessian-diagonal-weighted error instead
+    /// of ggml's largest-magnitude rule.
+    pub grid_search: bool,
     /// Calibration documents (ShareGPT's calibration split) and their length in tokens.
     pub docs: usize,
     pub doc_tokens: usize,
@@ -78,6 +81,7 @@ impl Default for GptqSettings {
         Self {
             damp: 0.01,
             act_order: true,
+            grid_search: true,
             docs: 32,
             doc_tokens: 256,
         }
@@ -175,13 +179,28 @@ impl Grid {
     }
 }
 
-/// The blocks (and each sub-block's grid) the format's own quantizer chooses for
-/// `values` (`[rows, block]` row-major, one block per row).
-fn block_grids(values: &[f32], rows: usize, dtype: GgmlDType) -> Result<(Vec<u8>, Vec<Grid>)> {
+/// The blocks (and each sub-block's grid) for `values` (`[rows, block]` row-major, one block
+/// per row): the format's own quantizer's choice, except that with `importance` (one weight
+/// per column, the Hessian's diagonal) a Q4_0 block's scale is searched to minimise the
+/// importance-weighted squared error (ggml's Q4_0 rule only maps the largest magnitude to
+/// -8 steps; Q4_K's quantizer already searches its scales and minimums).
+fn block_grids(
+    values: &[f32],
+    rows: usize,
+    dtype: GgmlDType,
+    importance: Option<&[f64]>,
+) -> Result<(Vec<u8>, Vec<Grid>)> {
     let block = dtype.block_size();
     let device = Device::Cpu;
     let t = Tensor::from_slice(values, (rows, block), &device)?;
-    let blocks = QTensor::quantize(&t, dtype)?.data()?.into_owned();
+    let mut blocks = QTensor::quantize(&t, dtype)?.data()?.into_owned();
+    if let (GgmlDType::Q4_0, Some(importance)) = (dtype, importance) {
+        let size = dtype.type_size();
+        for r in 0..rows {
+            let d = q4_0_scale(&values[r * block..(r + 1) * block], importance);
+            blocks[r * size..r * size + 2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        }
+    }
     // Read the grids back through the format's own dequantizer: all codes 0 give `-offset`,
     // all codes 1 give `scale - offset`.
     let with_codes = |code: u8| -> Result<Vec<f32>> {
@@ -210,6 +229,61 @@ fn block_grids(values: &[f32], rows: usize, dtype: GgmlDType) -> Result<(Vec<u8>
         })
         .collect();
     Ok((blocks, grids))
+}
+
+/// Q4_0's scale for one block (`x = d · (q − 8)`, q in 0..=15) that minimises
+/// `Σ importance · (x − x̂)²`: ggml's `max / −8` shrunk by each factor of a grid, each followed
+/// by one weighted least-squares refit of `d` to the codes it gives (the search llama.cpp's
+/// importance-matrix quantization makes). Never worse than ggml's rule, which is in the grid.
+fn q4_0_scale(x: &[f32], importance: &[f64]) -> f32 {
+    let max = x
+        .iter()
+        .copied()
+        .fold(0.0f32, |m, v| if v.abs() > m.abs() { v } else { m });
+    if max == 0.0 {
+        return 0.0;
+    }
+    let f16 = |d: f32| half::f16::from_f32(d).to_f32();
+    let codes = |d: f32| {
+        x.iter()
+            .map(move |&v| ((v / d + 8.0).round().clamp(0.0, 15.0)) - 8.0)
+    };
+    let error = |d: f32| -> f64 {
+        if d == 0.0 || !d.is_finite() {
+            return f64::INFINITY;
+        }
+        codes(d)
+            .zip(x)
+            .zip(importance)
+            .map(|((q, &v), &w)| w * f64::from(v - d * q).powi(2))
+            .sum()
+    };
+    let mut best = (error(f16(max / -8.0)), f16(max / -8.0));
+    for i in 0..=16 {
+        let d = f16(max / -8.0 * (1.0 - 0.025 * i as f32));
+        let (num, den) =
+            codes(d)
+                .zip(x)
+                .zip(importance)
+                .fold((0.0f64, 0.0f64), |(n, m), ((q, &v), &w)| {
+                    (
+                        n + w * f64::from(v) * f64::from(q),
+                        m + w * f64::from(q * q),
+                    )
+                });
+        let refit = if den > 0.0 {
+            f16((num / den) as f32)
+        } else {
+            d
+        };
+        for d in [d, refit] {
+            let e = error(d);
+            if e < best.0 {
+                best = (e, d);
+            }
+        }
+    }
+    best.1
 }
 
 /// `U`, the upper Cholesky factor of `H⁻¹` (`H⁻¹ = Uᵀ U`), for a symmetric positive definite
@@ -290,8 +364,12 @@ pub fn quantize_matrix(
         };
         rows * cols / SUB_BLOCK
     ];
+    let diag: Vec<f64> = (0..cols).map(|i| h[(i, i)]).collect();
     let set_block = |b: usize, values: &[f32], out: &mut [u8], grids: &mut [Grid]| {
-        let (bytes, g) = block_grids(values, rows, dtype)?;
+        let importance = settings
+            .grid_search
+            .then(|| &diag[b * block..(b + 1) * block]);
+        let (bytes, g) = block_grids(values, rows, dtype, importance)?;
         let per_row = block / SUB_BLOCK;
         for r in 0..rows {
             let at = (r * blocks_per_row + b) * size;
@@ -301,10 +379,11 @@ pub fn quantize_matrix(
         }
         Result::Ok(())
     };
-    let block_values = |w: &Mat<f32>, cols_of: &dyn Fn(usize) -> usize, b: usize| -> Vec<f32> {
+    // Block `b`'s values of `w` (whose columns are in column order when this is called).
+    let block_values = |w: &Mat<f32>, b: usize| -> Vec<f32> {
         let mut v = vec![0.0f32; rows * block];
         for e in 0..block {
-            let c = cols_of(b * block + e);
+            let c = b * block + e;
             for r in 0..rows {
                 v[r * block + e] = w[(r, c)];
             }
@@ -313,7 +392,7 @@ pub fn quantize_matrix(
     };
     if settings.act_order {
         for b in 0..blocks_per_row {
-            let v = block_values(&w, &|c| c, b);
+            let v = block_values(&w, b);
             set_block(b, &v, &mut out, &mut grids)?;
         }
     }
@@ -332,7 +411,7 @@ pub fn quantize_matrix(
             let c = order[k];
             if !settings.act_order && c.is_multiple_of(block) {
                 // Identity order: the block's columns are k..k+block, all updated so far.
-                let v = block_values(&wp, &|c| c, c / block);
+                let v = block_values(&wp, c / block);
                 set_block(c / block, &v, &mut out, &mut grids)?;
             }
             let d = u[(k, k)];
@@ -953,6 +1032,7 @@ mod tests {
         for act_order in [false, true] {
             let settings = GptqSettings {
                 act_order,
+                grid_search: false,
                 ..GptqSettings::default()
             };
             let q = quantize_matrix(&w, rows, cols, &h, GgmlDType::Q4_0, &settings).unwrap();
@@ -979,6 +1059,48 @@ mod tests {
                 "GPTQ cuts the output error by over 20%: {e_gptq:e} vs {e_rtn:e}"
             );
         }
+    }
+
+    /// The searched Q4_0 scales lower the weighted error of plain rounding and of GPTQ.
+    #[test]
+    fn searched_q4_0_scales_beat_ggml_rule() {
+        let mut rng = StdRng::seed_from_u64(13);
+        let (rows, cols) = (16, 128);
+        let (_, h) = inputs(&mut rng, 512, cols);
+        let w = gaussian(&mut rng, rows * cols);
+        let diag: Vec<f64> = (0..cols).map(|i| h[i * cols + i]).collect();
+        let weighted = |deq: &[f32]| -> f64 {
+            (0..rows * cols)
+                .map(|i| diag[i % cols] * f64::from(w[i] - deq[i]).powi(2))
+                .sum()
+        };
+        let rule = rtn(&w, rows, cols, GgmlDType::Q4_0);
+        let mut searched = vec![0.0f32; rows * cols];
+        for r in 0..rows {
+            for b in 0..cols / 32 {
+                let x = &w[r * cols + b * 32..r * cols + b * 32 + 32];
+                let d = q4_0_scale(x, &diag[b * 32..b * 32 + 32]);
+                for (e, &v) in x.iter().enumerate() {
+                    let q = (v / d + 8.0).round().clamp(0.0, 15.0) - 8.0;
+                    searched[r * cols + b * 32 + e] = d * q;
+                }
+            }
+        }
+        let (e_rule, e_searched) = (weighted(&rule), weighted(&searched));
+        eprintln!("weighted rounding error: ggml rule {e_rule:.4e}, searched {e_searched:.4e}");
+        assert!(e_searched < 0.85 * e_rule, "{e_searched:e} vs {e_rule:e}");
+
+        let gptq = |grid_search| {
+            let settings = GptqSettings {
+                grid_search,
+                ..GptqSettings::default()
+            };
+            let q = quantize_matrix(&w, rows, cols, &h, GgmlDType::Q4_0, &settings).unwrap();
+            reconstruction_error(&w, &q.dequantize().unwrap(), rows, cols, &h)
+        };
+        let (plain, searched) = (gptq(false), gptq(true));
+        eprintln!("GPTQ output error: ggml grids {plain:.4e}, searched grids {searched:.4e}");
+        assert!(searched < plain, "{searched:e} vs {plain:e}");
     }
 
     #[test]
