@@ -35,17 +35,14 @@ pub trait RequestBackend: Send + 'static {
 impl EngineHandle {
     /// Serves `backend` behind an engine handle; `info.n_layers` is its only depth.
     pub fn spawn_backend(backend: Box<dyn RequestBackend>, info: EngineInfo) -> Result<Self> {
-        let (tx, rx) = mpsc::channel();
         let shape = Shape {
             n_layers: info.n_layers,
             memory_budget: 0,
             weights_bytes: 0,
         };
-        std::thread::Builder::new()
-            .name("switchyard-backend".into())
-            .spawn(move || serve(backend, shape, &rx))
-            .map_err(|e| EngineError::BadConfig(format!("cannot start the backend thread: {e}")))?;
-        Ok(Self::over(tx, info))
+        Self::run("switchyard-backend", info, move |rx| {
+            serve(backend, shape, &rx)
+        })
     }
 }
 

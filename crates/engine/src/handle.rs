@@ -9,7 +9,8 @@
 //! Layer loads run on a background thread; the engine installs each layer between steps, so
 //! loading overlaps with serving.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -28,6 +29,76 @@ use crate::{EngineError, RequestId, Result};
 
 /// How often an idle engine looks for layers finished by a background load.
 const LOAD_POLL: Duration = Duration::from_millis(2);
+
+/// Whether an engine thread serves, as [`EngineHandle::status`] reports it; ordered from
+/// best to worst.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum EngineStatus {
+    Running = 0,
+    /// Shut down, or every handle was dropped.
+    Stopped = 1,
+    /// The thread panicked: its requests ended with [`EngineError::EngineFailed`], and it
+    /// takes no more. Nothing restarts it (its state may be corrupt).
+    Failed = 2,
+}
+
+impl EngineStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineStatus::Running => "running",
+            EngineStatus::Stopped => "stopped",
+            EngineStatus::Failed => "failed",
+        }
+    }
+}
+
+/// An engine thread's status, shared by its handles, the thread and its requests' sinks.
+#[derive(Debug)]
+pub(crate) struct Liveness {
+    model: String,
+    status: AtomicU8,
+}
+
+impl Liveness {
+    fn status(&self) -> EngineStatus {
+        match self.status.load(Ordering::SeqCst) {
+            0 => EngineStatus::Running,
+            1 => EngineStatus::Stopped,
+            _ => EngineStatus::Failed,
+        }
+    }
+
+    pub(crate) fn fail(&self) {
+        self.status
+            .store(EngineStatus::Failed as u8, Ordering::SeqCst);
+    }
+
+    /// Marks a thread that returned stopped, unless it had failed.
+    fn stop(&self) {
+        let _ = self.status.compare_exchange(
+            EngineStatus::Running as u8,
+            EngineStatus::Stopped as u8,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+    }
+
+    pub(crate) fn failure(&self) -> EngineError {
+        EngineError::EngineFailed {
+            model: self.model.clone(),
+        }
+    }
+}
+
+/// The message a panic carried, when it was a string.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(not a string)")
+}
 
 /// What the rest of the program needs to know about the engine's model.
 #[derive(Debug, Clone)]
@@ -147,16 +218,51 @@ pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
     next_id: Arc<AtomicU64>,
     info: Arc<EngineInfo>,
+    liveness: Arc<Liveness>,
 }
 
 impl EngineHandle {
-    /// A handle speaking to a thread that reads `tx`'s commands.
-    pub(crate) fn over(tx: mpsc::Sender<Command>, info: EngineInfo) -> Self {
-        Self {
+    /// Runs `serve` on a thread named `thread`, reading the commands the returned handle
+    /// sends. A panic in it is caught and logged, and the engine is marked
+    /// [`EngineStatus::Failed`] rather than left looking alive.
+    pub(crate) fn run(
+        thread: &str,
+        info: EngineInfo,
+        serve: impl FnOnce(mpsc::Receiver<Command>) + Send + 'static,
+    ) -> Result<Self> {
+        let (tx, rx) = mpsc::channel();
+        let liveness = Arc::new(Liveness {
+            model: info.model.clone(),
+            status: AtomicU8::new(EngineStatus::Running as u8),
+        });
+        let alive = Arc::clone(&liveness);
+        std::thread::Builder::new()
+            .name(thread.into())
+            .spawn(move || {
+                match std::panic::catch_unwind(AssertUnwindSafe(|| serve(rx))) {
+                    Ok(()) => alive.stop(),
+                    Err(panic) => {
+                        alive.fail();
+                        tracing::error!(
+                            model = %alive.model,
+                            panic = panic_message(&*panic),
+                            "the engine thread panicked; the model is down until the server restarts"
+                        );
+                    }
+                }
+            })
+            .map_err(|e| EngineError::BadConfig(format!("cannot start the {thread} thread: {e}")))?;
+        Ok(Self {
             tx,
             next_id: Arc::new(AtomicU64::new(0)),
             info: Arc::new(info),
-        }
+            liveness,
+        })
+    }
+
+    /// Whether the engine thread serves, has stopped, or failed.
+    pub fn status(&self) -> EngineStatus {
+        self.liveness.status()
     }
 }
 
@@ -178,22 +284,15 @@ impl EngineHandle {
     /// handle is dropped and no request is left.
     pub fn spawn(core: EngineCore, tokenizer: Arc<Tokenizer>, model_name: &str) -> Result<Self> {
         let spec = core.model().spec();
-        let info = Arc::new(EngineInfo {
+        let info = EngineInfo {
             model: model_name.to_string(),
             n_layers: core.model().n_layers(),
             context_length: core.scheduler().context(),
             vocab_size: spec.vocab_size,
             tokenizer: Arc::clone(&tokenizer),
-        });
-        let (tx, rx) = mpsc::channel();
-        std::thread::Builder::new()
-            .name("switchyard-engine".into())
-            .spawn(move || serve(core, &tokenizer, rx))
-            .map_err(|e| EngineError::BadConfig(format!("cannot start the engine thread: {e}")))?;
-        Ok(Self {
-            tx,
-            next_id: Arc::new(AtomicU64::new(0)),
-            info,
+        };
+        Self::run("switchyard-engine", info, move |rx| {
+            serve(core, &tokenizer, rx)
         })
     }
 
@@ -205,6 +304,9 @@ impl EngineHandle {
     /// run (empty, longer than the context, invalid sampling) are refused here; one that
     /// cannot fit the memory budget gets the error as the first item of its stream.
     pub fn add_request(&self, request: EngineRequest) -> Result<RequestStream> {
+        if self.status() == EngineStatus::Failed {
+            return Err(self.liveness.failure());
+        }
         request.params.validate()?;
         let prompt = request.prompt.len();
         if prompt == 0 {
@@ -217,7 +319,8 @@ impl EngineHandle {
             });
         }
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let (sink, rx) = tmpsc::unbounded_channel();
+        let (tx, rx) = tmpsc::unbounded_channel();
+        let sink = OutputSink::new(tx, Arc::clone(&self.liveness));
         self.tx
             .send(Command::Add {
                 id,
@@ -225,7 +328,10 @@ impl EngineHandle {
                 arrival: Instant::now(),
                 sink,
             })
-            .map_err(|_| EngineError::EngineStopped)?;
+            .map_err(|_| match self.status() {
+                EngineStatus::Failed => self.liveness.failure(),
+                _ => EngineError::EngineStopped,
+            })?;
         Ok(RequestStream { id, rx })
     }
 

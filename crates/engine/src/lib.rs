@@ -37,7 +37,7 @@ pub use crate::core::{
 pub use exit::{sampled_rows, ExitHead, ExitSpan, LogitLens};
 pub use external::RequestBackend;
 pub use generate::{generate, Generation, GenerationTiming};
-pub use handle::{EngineHandle, EngineInfo, Pending, RequestStream};
+pub use handle::{EngineHandle, EngineInfo, EngineStatus, Pending, RequestStream};
 pub use kv::KvFormat;
 pub use output::{Completion, OutputProcessor, RequestOutput};
 pub use residency::{LayerLoadTime, LoadReport};
@@ -93,6 +93,8 @@ pub enum EngineError {
     StepFailed(String),
     #[error("the engine has stopped")]
     EngineStopped,
+    #[error("the engine of `{model}` failed and is down: its thread panicked")]
+    EngineFailed { model: String },
     #[error(transparent)]
     Kv(#[from] kv::KvError),
     #[error("the text to score has {tokens} tokens; at least 2 are needed")]

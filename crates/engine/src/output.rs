@@ -6,6 +6,7 @@
 //! matches, the processor reports the request so the engine drops it before the next step.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use switchyard_request::FinishReason;
@@ -13,11 +14,49 @@ use switchyard_tokenizer::{StreamDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::core::{StepResult, TokenOutput};
+use crate::handle::Liveness;
 use crate::stop::{StopMatcher, StopOutcome};
 use crate::{EngineError, RequestId, Result};
 
-/// What a request's stream carries: outputs, or the error that ended it.
-pub type OutputSink = UnboundedSender<Result<RequestOutput>>;
+/// Where an engine thread sends one request's outputs, or the error that ended it.
+///
+/// Dropped while its thread unwinds from a panic, it marks the engine failed and sends
+/// [`EngineError::EngineFailed`] as the request's last item, so that the client learns why
+/// and `/health` already says so when it does.
+#[derive(Debug)]
+pub struct OutputSink {
+    tx: UnboundedSender<Result<RequestOutput>>,
+    engine: Arc<Liveness>,
+}
+
+impl OutputSink {
+    pub(crate) fn new(tx: UnboundedSender<Result<RequestOutput>>, engine: Arc<Liveness>) -> Self {
+        Self { tx, engine }
+    }
+
+    /// Sends one item; an error when the receiver is gone (the client went away).
+    pub fn send(&self, item: Result<RequestOutput>) -> std::result::Result<(), ReceiverGone> {
+        self.tx.send(item).map_err(|_| ReceiverGone)
+    }
+
+    /// Whether the receiver was dropped.
+    pub fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
+
+impl Drop for OutputSink {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.engine.fail();
+            let _ = self.tx.send(Err(self.engine.failure()));
+        }
+    }
+}
+
+/// The receiver of an [`OutputSink`] was dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReceiverGone;
 
 /// New output of one request (usually one token).
 #[derive(Debug, Clone, PartialEq)]

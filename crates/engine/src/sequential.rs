@@ -60,28 +60,23 @@ impl EngineHandle {
         info: EngineInfo,
         memory_budget: u64,
     ) -> Result<Self> {
-        let (tx, rx) = mpsc::channel();
         let n_layers = info.n_layers;
         let weights_bytes = decoder.weights_bytes();
-        std::thread::Builder::new()
-            .name("switchyard-sequential".into())
-            .spawn(move || {
-                Sequential {
-                    decoder,
-                    queue: VecDeque::new(),
-                    shape: Shape {
-                        n_layers,
-                        memory_budget,
-                        weights_bytes,
-                    },
-                    running: None,
-                    abort_running: false,
-                    stop: None,
-                }
-                .serve(&rx)
-            })
-            .map_err(|e| EngineError::BadConfig(format!("cannot start the decoder thread: {e}")))?;
-        Ok(Self::over(tx, info))
+        Self::run("switchyard-sequential", info, move |rx| {
+            Sequential {
+                decoder,
+                queue: VecDeque::new(),
+                shape: Shape {
+                    n_layers,
+                    memory_budget,
+                    weights_bytes,
+                },
+                running: None,
+                abort_running: false,
+                stop: None,
+            }
+            .serve(&rx)
+        })
     }
 }
 

@@ -41,6 +41,9 @@ pub enum ApiError {
     BackendUnavailable { model: String, detail: String },
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// A model's engine thread failed; `/health` reports it down (503).
+    #[error("{0}")]
+    EngineDown(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -60,7 +63,7 @@ impl ApiError {
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::BackendUnavailable { .. } => StatusCode::BAD_GATEWAY,
-            ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::ShuttingDown | ApiError::EngineDown(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -78,7 +81,9 @@ impl ApiError {
             ApiError::Unauthorized => "authentication_error",
             ApiError::Overloaded(_) => "rate_limit_error",
             ApiError::Timeout(_) | ApiError::BodyTimeout(_) => "timeout_error",
-            ApiError::BackendUnavailable { .. } | ApiError::ShuttingDown => "service_unavailable",
+            ApiError::BackendUnavailable { .. }
+            | ApiError::ShuttingDown
+            | ApiError::EngineDown(_) => "service_unavailable",
             ApiError::Internal(_) => "server_error",
         }
     }
@@ -157,6 +162,7 @@ impl From<switchyard_engine::EngineError> for ApiError {
             }
             E::Request(r) => ApiError::invalid("sampling", r.to_string()),
             E::EngineStopped => ApiError::ShuttingDown,
+            E::EngineFailed { .. } => ApiError::EngineDown(e.to_string()),
             other => ApiError::Internal(other.to_string()),
         }
     }

@@ -29,6 +29,8 @@ pub struct Metrics {
     pub generation_tokens: IntCounterVec,
     pub aborted: IntCounterVec,
     pub in_flight: GaugeVec,
+    /// 1 while every engine thread of a local model serves, 0 once one stopped or failed.
+    pub engine_up: GaugeVec,
     running: GaugeVec,
     waiting: GaugeVec,
     memory: GaugeVec,
@@ -132,6 +134,11 @@ impl Metrics {
             in_flight: gauge(
                 "switchyard_requests_in_flight",
                 "Requests admitted by the HTTP layer and not yet finished",
+                &["model"],
+            ),
+            engine_up: gauge(
+                "switchyard_engine_up",
+                "1 while every engine thread of the model serves, 0 once one stopped or failed (a panic)",
                 &["model"],
             ),
             running: gauge(

@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::stream::{self, Stream};
 use serde_json::{json, Value};
-use switchyard_engine::{EngineRequest, RequestOutput, RequestStream};
+use switchyard_engine::{EngineRequest, EngineStatus, RequestOutput, RequestStream};
 
 use crate::api::{
     now_secs, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessageOut,
@@ -784,20 +784,67 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
     })
 }
 
+/// `{"status": "ok" | "unhealthy" | "shutting_down", "models": {NAME: {"state": STATE}}}`,
+/// with 503 unless ok. A local model's state is its engine thread's (`running`, `stopped`, or
+/// `failed` after a panic; HELIOS: its worst candidate engine's), and one that is not running
+/// makes the instance unhealthy, so that a load balancer stops sending it traffic. A remote
+/// backend is `reachable` or `unreachable` by its last health check, reported but not counted:
+/// it is not this instance's failure.
 pub async fn health(State(state): State<Arc<AppState>>) -> Response {
-    if state.shutting_down.load(Ordering::SeqCst) {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "shutting_down"})),
-        )
-            .into_response();
-    }
-    Json(json!({"status": "ok"})).into_response()
+    let mut down = false;
+    let models: serde_json::Map<String, Value> = state
+        .models
+        .iter()
+        .map(|(name, s)| {
+            let st = match s {
+                Served::Remote(r) if r.is_healthy() => "reachable",
+                Served::Remote(_) => "unreachable",
+                local => {
+                    let engine = engine_status(&state, name, local);
+                    down |= engine != EngineStatus::Running;
+                    engine.as_str()
+                }
+            };
+            (name.clone(), json!({ "state": st }))
+        })
+        .collect();
+    let (code, status) = if state.shutting_down.load(Ordering::SeqCst) {
+        (StatusCode::SERVICE_UNAVAILABLE, "shutting_down")
+    } else if down {
+        (StatusCode::SERVICE_UNAVAILABLE, "unhealthy")
+    } else {
+        (StatusCode::OK, "ok")
+    };
+    (code, Json(json!({"status": status, "models": models}))).into_response()
+}
+
+/// The worst status of a local model's engine threads (a remote backend has none here:
+/// running); refreshes its `switchyard_engine_up` gauge.
+fn engine_status(state: &AppState, name: &str, served: &Served) -> EngineStatus {
+    let status = match served {
+        Served::Local(m) => m.handle.status(),
+        Served::Modes(m) => m.base.handle.status(),
+        Served::Helios(h) => h
+            .engines
+            .iter()
+            .map(|e| e.status())
+            .max()
+            .unwrap_or(EngineStatus::Running),
+        Served::Remote(_) => return EngineStatus::Running,
+    };
+    let up = if status == EngineStatus::Running {
+        1.0
+    } else {
+        0.0
+    };
+    state.metrics.engine_up.with_label_values(&[name]).set(up);
+    status
 }
 
 /// Refreshes the engine gauges, then renders every metric.
 pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     for (name, s) in &state.models {
+        engine_status(&state, name, s);
         match s {
             Served::Local(m) => {
                 state

@@ -4,9 +4,12 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::synthetic;
+use switchyard_engine::{DecodedToken, EngineHandle, EngineInfo, EngineRequest, SequentialDecoder};
+use switchyard_request::FinishReason;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The model name every test serves.
@@ -120,5 +123,125 @@ fn a_hostile_chat_template_is_stopped_while_health_answers() {
         }
         assert!(took < Duration::from_secs(5), "{took:?}");
         assert!(worst < HEALTH_BOUND, "/health took {worst:?}");
+    });
+}
+
+/// A prompt token that makes [`Fragile`] panic.
+const PANIC_TOKEN: u32 = 7;
+
+/// A decoder with a bug: it panics when the prompt holds [`PANIC_TOKEN`], killing its engine
+/// thread; otherwise it answers one token.
+struct Fragile;
+
+impl SequentialDecoder for Fragile {
+    fn generate(
+        &mut self,
+        request: &EngineRequest,
+        emit: &mut dyn FnMut(Option<DecodedToken>, &str) -> bool,
+    ) -> switchyard_engine::Result<FinishReason> {
+        assert!(
+            !request.prompt.contains(&PANIC_TOKEN),
+            "a decoder bug (the test's deliberate panic)"
+        );
+        emit(
+            Some(DecodedToken {
+                token: 40,
+                logprob: -0.5,
+            }),
+            "I",
+        );
+        emit(None, "");
+        Ok(FinishReason::Length)
+    }
+
+    fn weights_bytes(&self) -> u64 {
+        0
+    }
+}
+
+fn fragile_engine(name: &str) -> EngineHandle {
+    let info = EngineInfo {
+        model: name.into(),
+        n_layers: 1,
+        context_length: synthetic::CONTEXT,
+        vocab_size: synthetic::VOCAB,
+        tokenizer: Arc::new(synthetic::tokenizer(None)),
+    };
+    EngineHandle::spawn_sequential(Box::new(Fragile), info, 1 << 20).expect("decoder thread")
+}
+
+async fn get(client: &reqwest::Client, url: String) -> (u16, String) {
+    let resp = client.get(url).send().await.expect("answered");
+    let status = resp.status().as_u16();
+    (status, resp.text().await.unwrap_or_default())
+}
+
+/// An engine whose thread panicked is reported down by `/health` (503, with each model's
+/// state) and by the `switchyard_engine_up` gauge; its requests get 503 saying why, and the
+/// other model keeps serving.
+#[test]
+fn a_panicking_engine_makes_health_report_the_model_down() {
+    let server = synthetic::serve(
+        "",
+        vec![
+            (MODEL, synthetic::engine(MODEL, None)),
+            ("fragile", fragile_engine("fragile")),
+        ],
+    );
+    let base = server.base.clone();
+    synthetic::client_runtime().block_on(async {
+        let client = reqwest::Client::new();
+        let (status, _) = get(&client, format!("{base}/health")).await;
+        assert_eq!(status, 200);
+        let completion = |model: &str, token: u32| {
+            serde_json::json!({"model": model, "prompt": [5, token], "max_tokens": 1})
+        };
+        let url = format!("{base}/v1/completions");
+        let (status, body) = post_json(&client, url.clone(), &completion("fragile", 5))
+            .await
+            .expect("answered");
+        assert_eq!((status, body["choices"][0]["text"].as_str()), (200, Some("I")));
+
+        let (status, body) = post_json(&client, url.clone(), &completion("fragile", PANIC_TOKEN))
+            .await
+            .expect("answered");
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(
+            body["error"]["message"],
+            "the engine of `fragile` failed and is down: its thread panicked"
+        );
+
+        let (status, body) = get(&client, format!("{base}/health")).await;
+        assert_eq!(status, 503, "{body}");
+        let health: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        assert_eq!(
+            health,
+            serde_json::json!({
+                "status": "unhealthy",
+                "models": {"fragile": {"state": "failed"}, MODEL: {"state": "running"}},
+            })
+        );
+        let (_, metrics) = get(&client, format!("{base}/metrics")).await;
+        assert!(
+            metrics.contains("switchyard_engine_up{model=\"fragile\"} 0"),
+            "{metrics}"
+        );
+        assert!(
+            metrics.contains(&format!("switchyard_engine_up{{model=\"{MODEL}\"}} 1")),
+            "{metrics}"
+        );
+
+        let (status, body) = post_json(&client, url.clone(), &completion("fragile", 5))
+            .await
+            .expect("answered");
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(
+            body["error"]["message"],
+            "the engine of `fragile` failed and is down: its thread panicked"
+        );
+        let (status, _) = post_json(&client, url, &completion(MODEL, 5))
+            .await
+            .expect("answered");
+        assert_eq!(status, 200);
     });
 }
