@@ -2,9 +2,10 @@
 //! the output processor and runs `commands -> step -> outputs` in a loop; the rest of the
 //! program reaches it through a cloneable handle that sends commands over a channel.
 //!
-//! Each request gets its own output stream (a tokio unbounded channel, usable from async and
-//! from plain threads). Dropping the stream is how a client says it went away: the engine
-//! aborts the request before its next step and frees its blocks.
+//! Each request gets its own output stream (a tokio channel of [`OUTPUT_BUFFER`] outputs,
+//! usable from async and from plain threads). Dropping the stream is how a client says it went
+//! away: the engine aborts the request before its next step and frees its blocks; a stream
+//! that falls a whole buffer behind is ended the same way.
 //!
 //! Layer loads run on a background thread; the engine installs each layer between steps, so
 //! loading overlaps with serving.
@@ -23,7 +24,7 @@ use switchyard_models::LayeredModel;
 use crate::core::{
     end_of_generation_tokens, EngineConfig, EngineCore, EngineRequest, EngineStats, ExitProbe,
 };
-use crate::output::{Completion, OutputProcessor, OutputSink, RequestOutput};
+use crate::output::{Completion, OutputProcessor, OutputSink, RequestOutput, OUTPUT_BUFFER};
 use crate::residency::{LoadReport, LoadedLayer};
 use crate::{EngineError, RequestId, Result};
 
@@ -61,6 +62,13 @@ pub(crate) struct Liveness {
 }
 
 impl Liveness {
+    pub(crate) fn new(model: &str) -> Self {
+        Self {
+            model: model.to_string(),
+            status: AtomicU8::new(EngineStatus::Running as u8),
+        }
+    }
+
     fn status(&self) -> EngineStatus {
         match self.status.load(Ordering::SeqCst) {
             0 => EngineStatus::Running,
@@ -175,7 +183,7 @@ impl<T> Pending<T> {
 #[derive(Debug)]
 pub struct RequestStream {
     id: RequestId,
-    rx: tmpsc::UnboundedReceiver<Result<RequestOutput>>,
+    rx: tmpsc::Receiver<Result<RequestOutput>>,
 }
 
 impl RequestStream {
@@ -231,10 +239,7 @@ impl EngineHandle {
         serve: impl FnOnce(mpsc::Receiver<Command>) + Send + 'static,
     ) -> Result<Self> {
         let (tx, rx) = mpsc::channel();
-        let liveness = Arc::new(Liveness {
-            model: info.model.clone(),
-            status: AtomicU8::new(EngineStatus::Running as u8),
-        });
+        let liveness = Arc::new(Liveness::new(&info.model));
         let alive = Arc::clone(&liveness);
         std::thread::Builder::new()
             .name(thread.into())
@@ -319,8 +324,7 @@ impl EngineHandle {
             });
         }
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let (tx, rx) = tmpsc::unbounded_channel();
-        let sink = OutputSink::new(tx, Arc::clone(&self.liveness));
+        let (sink, rx) = OutputSink::channel(OUTPUT_BUFFER, Arc::clone(&self.liveness));
         self.tx
             .send(Command::Add {
                 id,

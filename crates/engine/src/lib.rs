@@ -95,6 +95,8 @@ pub enum EngineError {
     EngineStopped,
     #[error("the engine of `{model}` failed and is down: its thread panicked")]
     EngineFailed { model: String },
+    #[error("the request was ended: its reader fell {behind} outputs behind")]
+    OutputOverflow { behind: usize },
     #[error(transparent)]
     Kv(#[from] kv::KvError),
     #[error("the text to score has {tokens} tokens; at least 2 are needed")]

@@ -6,42 +6,89 @@
 //! matches, the processor reports the request so the engine drops it before the next step.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use switchyard_request::FinishReason;
 use switchyard_tokenizer::{StreamDecoder, Tokenizer};
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::sync::mpsc::{self, Receiver, Sender};
 
 use crate::core::{StepResult, TokenOutput};
 use crate::handle::Liveness;
 use crate::stop::{StopMatcher, StopOutcome};
 use crate::{EngineError, RequestId, Result};
 
-/// Where an engine thread sends one request's outputs, or the error that ended it.
+/// Outputs one request may have waiting for its reader: a reader this far behind has
+/// stopped reading, and its request is ended ([`EngineError::OutputOverflow`]) rather than
+/// buffered without bound. About 30 s of decoding at 100 tokens/s, and under 1 MiB.
+pub const OUTPUT_BUFFER: usize = 4096;
+
+/// Where an engine thread sends one request's outputs, or the error that ended it: a buffer
+/// of [`OUTPUT_BUFFER`] items between the engine and the request's reader.
 ///
 /// Dropped while its thread unwinds from a panic, it marks the engine failed and sends
 /// [`EngineError::EngineFailed`] as the request's last item, so that the client learns why
 /// and `/health` already says so when it does.
 #[derive(Debug)]
 pub struct OutputSink {
-    tx: UnboundedSender<Result<RequestOutput>>,
+    tx: Sender<Result<RequestOutput>>,
     engine: Arc<Liveness>,
+    /// The buffer filled and the request was ended: nothing more is sent.
+    overflowed: AtomicBool,
+}
+
+/// Why an [`OutputSink`] took nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotSent {
+    /// The reader was dropped (the client went away).
+    ReaderGone,
+    /// The reader fell [`OUTPUT_BUFFER`] items behind; the request has ended.
+    Overflow,
 }
 
 impl OutputSink {
-    pub(crate) fn new(tx: UnboundedSender<Result<RequestOutput>>, engine: Arc<Liveness>) -> Self {
-        Self { tx, engine }
+    /// A sink of `capacity` items and the stream that reads it.
+    pub(crate) fn channel(
+        capacity: usize,
+        engine: Arc<Liveness>,
+    ) -> (Self, Receiver<Result<RequestOutput>>) {
+        // One place is kept for the item that ends the request.
+        let (tx, rx) = mpsc::channel(capacity.max(2));
+        let sink = Self {
+            tx,
+            engine,
+            overflowed: AtomicBool::new(false),
+        };
+        (sink, rx)
     }
 
-    /// Sends one item; an error when the receiver is gone (the client went away).
-    pub fn send(&self, item: Result<RequestOutput>) -> std::result::Result<(), ReceiverGone> {
-        self.tx.send(item).map_err(|_| ReceiverGone)
+    /// Sends one item without waiting. When only the last place is left and `item` does not
+    /// end the request, [`EngineError::OutputOverflow`] takes that place instead and the
+    /// request is over: the caller must end it.
+    pub fn send(&self, item: Result<RequestOutput>) -> std::result::Result<(), NotSent> {
+        if self.overflowed.load(Ordering::Relaxed) {
+            return Err(NotSent::Overflow);
+        }
+        let ends = item.as_ref().map_or(true, |o| o.finish_reason.is_some());
+        if !ends && self.tx.capacity() <= 1 {
+            self.overflowed.store(true, Ordering::Relaxed);
+            let behind = self.tx.max_capacity() - 1;
+            let _ = self
+                .tx
+                .try_send(Err(EngineError::OutputOverflow { behind }));
+            return Err(NotSent::Overflow);
+        }
+        self.tx.try_send(item).map_err(|e| match e {
+            TrySendError::Closed(_) => NotSent::ReaderGone,
+            TrySendError::Full(_) => NotSent::Overflow,
+        })
     }
 
-    /// Whether the receiver was dropped.
+    /// Whether the reader was dropped, or the request ended on an overflow.
     pub fn is_closed(&self) -> bool {
-        self.tx.is_closed()
+        self.tx.is_closed() || self.overflowed.load(Ordering::Relaxed)
     }
 }
 
@@ -49,14 +96,10 @@ impl Drop for OutputSink {
     fn drop(&mut self) {
         if std::thread::panicking() {
             self.engine.fail();
-            let _ = self.tx.send(Err(self.engine.failure()));
+            let _ = self.tx.try_send(Err(self.engine.failure()));
         }
     }
 }
-
-/// The receiver of an [`OutputSink`] was dropped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReceiverGone;
 
 /// New output of one request (usually one token).
 #[derive(Debug, Clone, PartialEq)]
@@ -351,5 +394,63 @@ fn push_text(stop: &mut StopMatcher, piece: &str, text: &mut String) -> bool {
             text.push_str(&s);
             true
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn output(finish: Option<FinishReason>) -> Result<RequestOutput> {
+        let now = Instant::now();
+        Ok(RequestOutput {
+            id: RequestId(1),
+            token_ids: vec![3],
+            logprobs: vec![-0.5],
+            confidences: Vec::new(),
+            probe_exits: Vec::new(),
+            depth: 1,
+            text: "x".into(),
+            finish_reason: finish,
+            prompt_tokens: 1,
+            output_tokens: 1,
+            cached_tokens: 0,
+            arrival: now,
+            first_token_at: Some(now),
+            at: now,
+        })
+    }
+
+    /// A reader that stops reading gets the buffer's outputs, then the overflow error in the
+    /// place kept for the last item; the sink then reports itself closed, which is how the
+    /// engine learns to abort the request.
+    #[test]
+    fn a_reader_a_whole_buffer_behind_ends_its_request() {
+        let (sink, mut rx) = OutputSink::channel(4, Arc::new(Liveness::new("m")));
+        for _ in 0..3 {
+            assert_eq!(sink.send(output(None)), Ok(()));
+        }
+        assert!(!sink.is_closed());
+        assert_eq!(sink.send(output(None)), Err(NotSent::Overflow));
+        assert!(sink.is_closed());
+        assert_eq!(sink.send(output(None)), Err(NotSent::Overflow));
+        let items: Vec<_> = std::iter::from_fn(|| rx.try_recv().ok()).collect();
+        assert_eq!(items.len(), 4);
+        assert!(items[..3].iter().all(|o| o.is_ok()));
+        assert_eq!(
+            items[3].as_ref().err().map(ToString::to_string).as_deref(),
+            Some("the request was ended: its reader fell 3 outputs behind")
+        );
+    }
+
+    /// The last output may take the kept place; a gone reader is told apart from a full one.
+    #[test]
+    fn the_last_output_fits_and_a_gone_reader_is_named() {
+        let (sink, rx) = OutputSink::channel(2, Arc::new(Liveness::new("m")));
+        assert_eq!(sink.send(output(None)), Ok(()));
+        assert_eq!(sink.send(output(Some(FinishReason::Length))), Ok(()));
+        drop(rx);
+        assert_eq!(sink.send(output(None)), Err(NotSent::ReaderGone));
+        assert!(sink.is_closed());
     }
 }

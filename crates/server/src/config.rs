@@ -21,6 +21,9 @@ pub const DEFAULT_HEALTH_INTERVAL_S: u64 = 10;
 /// A request body must arrive within this (nginx's `client_body_timeout` is 60 s; 30 s still
 /// carries the default 1 MiB limit at under 300 kbit/s).
 pub const DEFAULT_BODY_TIMEOUT_S: u64 = 30;
+/// A streamed response whose client has not taken an event for this long is aborted (nginx's
+/// `send_timeout` is 60 s; a streaming client reads as events come).
+pub const DEFAULT_WRITE_TIMEOUT_S: u64 = 30;
 /// Longest timeout or interval accepted, in seconds: a day is longer than any request should
 /// wait, and far from where `Instant + Duration` overflows.
 pub const MAX_TIMEOUT_S: u64 = 86_400;
@@ -106,6 +109,9 @@ pub struct ServerSection {
     pub request_timeout_s: u64,
     /// Seconds a client has to send the whole request body (408 after).
     pub body_timeout_s: u64,
+    /// Seconds a streamed response waits for a client that does not read before it aborts
+    /// the request (freeing its K/V blocks and its place).
+    pub write_timeout_s: u64,
     pub shutdown_grace_s: u64,
 }
 
@@ -120,6 +126,7 @@ impl Default for ServerSection {
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             request_timeout_s: DEFAULT_REQUEST_TIMEOUT_S,
             body_timeout_s: DEFAULT_BODY_TIMEOUT_S,
+            write_timeout_s: DEFAULT_WRITE_TIMEOUT_S,
             shutdown_grace_s: DEFAULT_SHUTDOWN_GRACE_S,
         }
     }
@@ -328,6 +335,7 @@ impl Config {
         }
         seconds("server.request_timeout_s", self.server.request_timeout_s)?;
         seconds("server.body_timeout_s", self.server.body_timeout_s)?;
+        seconds("server.write_timeout_s", self.server.write_timeout_s)?;
         for b in &self.backends {
             for (key, value) in [
                 ("timeout_s", b.timeout_s),
@@ -442,6 +450,10 @@ mod tests {
             (
                 format!("[server]\nbody_timeout_s = 0\n{model}"),
                 "server.body_timeout_s must be between 1 and 86400 seconds, got 0",
+            ),
+            (
+                format!("[server]\nwrite_timeout_s = 0\n{model}"),
+                "server.write_timeout_s must be between 1 and 86400 seconds, got 0",
             ),
             (
                 format!("{backend}health_interval_s = 0\n"),

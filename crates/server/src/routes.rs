@@ -12,7 +12,6 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures::stream::{self, Stream};
 use serde_json::{json, Value};
 use switchyard_engine::{EngineRequest, EngineStatus, RequestOutput, RequestStream};
 
@@ -496,8 +495,13 @@ fn helios_api_error(e: switchyard_helios::HeliosError) -> ApiError {
     }
 }
 
-/// State of one server-sent-event stream. Dropping it before the end (the client went away)
-/// drops the upstream stream, which aborts the request and frees its KV blocks.
+/// Events a streamed response holds for a client that has not taken them yet. The client's
+/// socket buffers hold more; once both are full, the client has `write_timeout_s` to read.
+pub const STREAM_BUFFER: usize = 16;
+
+/// State of one server-sent-event stream. Dropping it before the end (the client went away,
+/// or stopped reading) drops the upstream stream, which aborts the request and frees its KV
+/// blocks.
 struct StreamState {
     state: Arc<AppState>,
     /// The served model's name (metrics).
@@ -515,6 +519,8 @@ struct StreamState {
     /// Events left to send after the last token: usage, [DONE].
     tail: Vec<Event>,
     finished: bool,
+    /// Why the stream ends early if it is dropped unfinished (metrics).
+    abort_reason: &'static str,
 }
 
 impl Drop for StreamState {
@@ -523,7 +529,7 @@ impl Drop for StreamState {
             self.state
                 .metrics
                 .aborted
-                .with_label_values(&[&self.name, "client_disconnect"])
+                .with_label_values(&[&self.name, self.abort_reason])
                 .inc();
         }
     }
@@ -551,13 +557,32 @@ impl StreamState {
             offset: 0,
             tail: Vec::new(),
             finished: false,
+            abort_reason: "client_disconnect",
         }
     }
 
-    fn into_response(self) -> Response {
-        Sse::new(events(self))
-            .keep_alive(KeepAlive::default())
-            .into_response()
+    /// The response: events come through a [`STREAM_BUFFER`]-event buffer from a task of
+    /// their own, so the deadline runs whether the client reads or not, and a client that
+    /// takes nothing for `write_timeout_s` while the buffer is full is cut off. Either way the
+    /// task ends, which aborts the request (its K/V blocks are freed) and releases its place.
+    fn into_response(mut self) -> Response {
+        let (tx, rx) = tokio::sync::mpsc::channel(STREAM_BUFFER);
+        let write_timeout = Duration::from_secs(self.state.config.write_timeout_s);
+        tokio::spawn(async move {
+            while let Some(event) = self.next_event().await {
+                match tokio::time::timeout(write_timeout, tx.send(Ok(event))).await {
+                    Ok(Ok(())) => {}
+                    // The response was dropped: the client went away.
+                    Ok(Err(_)) => return,
+                    Err(_) => return self.stalled(),
+                }
+            }
+        });
+        Sse::new(tokio_stream::wrappers::ReceiverStream::<
+            Result<Event, Infallible>,
+        >::new(rx))
+        .keep_alive(KeepAlive::default())
+        .into_response()
     }
 }
 
@@ -624,61 +649,63 @@ async fn helios_stream_response(
     Ok(resp)
 }
 
-fn events(st: StreamState) -> impl Stream<Item = Result<Event, Infallible>> {
-    stream::unfold(st, |mut st| async move {
-        if let Some(e) = st.tail.pop() {
-            return Some((Ok(e), st));
+impl StreamState {
+    /// The next event: a chunk, an error, the usage chunk or `[DONE]`; `None` after `[DONE]`.
+    async fn next_event(&mut self) -> Option<Event> {
+        if let Some(e) = self.tail.pop() {
+            return Some(e);
         }
-        if st.finished {
+        if self.finished {
             return None;
         }
-        let next = match st.pending.take() {
+        let next = match self.pending.take() {
             Some(o) => Ok(Some(Ok(o))),
-            None => tokio::time::timeout_at(st.deadline, st.upstream.next()).await,
+            None => tokio::time::timeout_at(self.deadline, self.upstream.next()).await,
         };
         let out = match next {
             Ok(Some(Ok(o))) => o,
-            Ok(Some(Err(e))) => {
-                st.finished = true;
-                st.tail.push(Event::default().data("[DONE]"));
-                let body = e.body();
-                return Some((Ok(json_event(&body)), st));
-            }
-            Ok(None) => {
-                st.finished = true;
-                st.tail.push(Event::default().data("[DONE]"));
-                return Some((Ok(json_event(&ApiError::ShuttingDown.body())), st));
-            }
+            Ok(Some(Err(e))) => return Some(self.end_with(&e)),
+            Ok(None) => return Some(self.end_with(&ApiError::ShuttingDown)),
             Err(_) => {
-                st.finished = true;
-                st.state
+                self.state
                     .metrics
                     .aborted
-                    .with_label_values(&[&st.name, "timeout"])
+                    .with_label_values(&[&self.name, "timeout"])
                     .inc();
-                st.tail.push(Event::default().data("[DONE]"));
-                let body = ApiError::Timeout(st.state.config.request_timeout_s).body();
-                return Some((Ok(json_event(&body)), st));
+                let e = ApiError::Timeout(self.state.config.request_timeout_s);
+                return Some(self.end_with(&e));
             }
         };
-        let event = chunk(&mut st, &out);
+        let event = chunk(self, &out);
         if out.finish_reason.is_some() {
-            st.finished = true;
+            self.finished = true;
             let finished = Finished::from_output(&out);
-            record(&st.state, &st.name, &finished);
+            record(&self.state, &self.name, &finished);
             // Sent in reverse order of pushing: usage (if asked), then [DONE].
-            st.tail.push(Event::default().data("[DONE]"));
-            if st.req.include_usage {
+            self.tail.push(Event::default().data("[DONE]"));
+            if self.req.include_usage {
                 let usage = Usage::new(
                     finished.prompt_tokens,
                     finished.output_tokens,
                     finished.cached_tokens,
                 );
-                st.tail.push(json_event(&usage_chunk(&st, usage)));
+                self.tail.push(json_event(&usage_chunk(self, usage)));
             }
         }
-        Some((Ok(event), st))
-    })
+        Some(event)
+    }
+
+    /// The client took nothing for `write_timeout_s`: dropping the stream now counts it so.
+    fn stalled(&mut self) {
+        self.abort_reason = "write_timeout";
+    }
+
+    /// Ends the stream with `e`'s error event, then `[DONE]`.
+    fn end_with(&mut self, e: &ApiError) -> Event {
+        self.finished = true;
+        self.tail.push(Event::default().data("[DONE]"));
+        json_event(&e.body())
+    }
 }
 
 fn json_event<T: serde::Serialize>(v: &T) -> Event {

@@ -245,3 +245,103 @@ fn a_panicking_engine_makes_health_report_the_model_down() {
         assert_eq!(status, 200);
     });
 }
+
+/// Streams admitted at once (the server's `max_in_flight` in the test).
+const SLOTS: usize = 4;
+/// Tokens each non-reading client asks for: far more events than the socket buffers hold.
+const LONG_OUTPUT: usize = 3000;
+
+/// Opens a connection whose receive buffer is as small as the kernel allows, sends a streamed
+/// completion request and never reads the answer.
+async fn non_reading_client(addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(1024).expect("SO_RCVBUF");
+    let mut s = socket.connect(addr).await.expect("connect");
+    let body = serde_json::json!({
+        "model": MODEL, "prompt": [5, 6, 7], "max_tokens": LONG_OUTPUT,
+        "ignore_eos": true, "stream": true, "logprobs": 1,
+    })
+    .to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.expect("send");
+    s.write_all(body.as_bytes()).await.expect("send");
+    s
+}
+
+/// Clients that never read their streams fill every admission slot. Before, they held the
+/// slots for as long as they kept the connections open, and every other request got 429; now
+/// each is cut off `write_timeout_s` after its buffer filled: the request is aborted (its K/V
+/// blocks freed), its slot released and the abort counted.
+#[test]
+fn a_client_that_never_reads_is_cut_off_and_its_kv_freed() {
+    let server = synthetic::serve_with_send_buffer(
+        &format!("[server]\nmax_in_flight = {SLOTS}\nwrite_timeout_s = 1"),
+        vec![(MODEL, synthetic::engine(MODEL, None))],
+        Some(4096),
+    );
+    let base = server.base.clone();
+    let addr: std::net::SocketAddr = base.trim_start_matches("http://").parse().expect("address");
+    let served = match server.state.models.get(MODEL) {
+        Some(switchyard_server::state::Served::Local(m)) => Arc::clone(m),
+        _ => panic!("the model is served locally"),
+    };
+    synthetic::client_runtime().block_on(async {
+        let client = reqwest::Client::new();
+        let attack = async {
+            let mut clients = Vec::new();
+            for _ in 0..SLOTS {
+                clients.push(non_reading_client(addr).await);
+            }
+            // Every slot taken: the next request is refused.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let (status, _) = post_json(
+                &client,
+                format!("{base}/v1/completions"),
+                &serde_json::json!({"model": MODEL, "prompt": [5], "max_tokens": 1}),
+            )
+            .await
+            .expect("answered");
+            assert_eq!(status, 429);
+            let t0 = Instant::now();
+            while served.in_flight() > 0 && t0.elapsed() < Duration::from_secs(5) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            (t0.elapsed(), served.in_flight(), clients)
+        };
+        let (worst, (took, in_flight, clients)) =
+            synthetic::health_during(&base, PROBE_EVERY, PROBE_GIVE_UP, attack).await;
+        println!(
+            "non-reading clients: /health answered within {worst:?}; their slots were free {took:?} after the 429"
+        );
+        assert_eq!(in_flight, 0, "slots still held after {took:?}");
+        let stats = served.handle.stats().recv().await.expect("stats");
+        assert_eq!((stats.running, stats.kv_blocks_used), (0, 0));
+        let (status, _) = post_json(
+            &client,
+            format!("{base}/v1/completions"),
+            &serde_json::json!({"model": MODEL, "prompt": [5], "max_tokens": 1}),
+        )
+        .await
+        .expect("answered");
+        assert_eq!(status, 200);
+        let metrics = client
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("text");
+        assert!(
+            metrics.contains(&format!(
+                "switchyard_aborted_requests_total{{model=\"{MODEL}\",reason=\"write_timeout\"}} {SLOTS}"
+            )),
+            "{metrics}"
+        );
+        assert!(worst < HEALTH_BOUND, "/health took {worst:?}");
+        drop(clients);
+    });
+}

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::quantized::GgmlDType;
-use switchyard_engine::{EngineConfig, EngineHandle};
+use switchyard_engine::{EngineConfig, EngineHandle, SchedulerConfig};
 use switchyard_models::{LayeredModel, LoadOptions};
 use switchyard_server::config::Config;
 use switchyard_server::local::LocalModel;
@@ -63,7 +63,8 @@ pub fn tokenizer(chat_template: Option<&str>) -> Tokenizer {
 }
 
 /// A 4-layer, width-64 random llama with [`VOCAB`] tokens and a [`CONTEXT`]-position
-/// context, behind an engine with a 128 MiB budget.
+/// context, behind an engine with a 128 MiB budget and no prefix cache (a finished request's
+/// blocks are all free again).
 pub fn engine(name: &str, chat_template: Option<&str>) -> EngineHandle {
     let mut spec = SyntheticSource::tiny_spec(Architecture::Llama);
     spec.vocab_size = VOCAB;
@@ -72,6 +73,10 @@ pub fn engine(name: &str, chat_template: Option<&str>) -> EngineHandle {
     let model = LayeredModel::load(Arc::new(src), &LoadOptions::default()).expect("load");
     let cfg = EngineConfig {
         memory_budget: 128 << 20,
+        scheduler: SchedulerConfig {
+            prefix_caching: false,
+            ..SchedulerConfig::default()
+        },
         ..EngineConfig::default()
     };
     EngineHandle::start(model, Arc::new(tokenizer(chat_template)), cfg, name).expect("engine")
@@ -94,6 +99,17 @@ impl Drop for SyntheticServer {
 
 /// Serves `models` (name and engine) with the `[server]` settings of `server_toml`.
 pub fn serve(server_toml: &str, models: Vec<(&str, EngineHandle)>) -> SyntheticServer {
+    serve_with_send_buffer(server_toml, models, None)
+}
+
+/// [`serve`], with the send buffer of every accepted connection set to `send_buffer` bytes
+/// (Linux: accepted sockets inherit it from the listener), so that a client that does not
+/// read blocks the server after kilobytes rather than megabytes.
+pub fn serve_with_send_buffer(
+    server_toml: &str,
+    models: Vec<(&str, EngineHandle)>,
+    send_buffer: Option<u32>,
+) -> SyntheticServer {
     let cfg = Config::parse(&format!(
         "{server_toml}\n[[models]]\nname = \"unused: the engines are given\"\n"
     ))
@@ -117,8 +133,15 @@ pub fn serve(server_toml: &str, models: Vec<(&str, EngineHandle)>) -> SyntheticS
         .build()
         .expect("server runtime");
     let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .expect("bind");
+        .block_on(async {
+            let socket = tokio::net::TcpSocket::new_v4()?;
+            if let Some(bytes) = send_buffer {
+                socket.set_send_buffer_size(bytes)?;
+            }
+            socket.bind(([127, 0, 0, 1], 0).into())?;
+            socket.listen(1024)
+        })
+        .expect("listen");
     let addr = listener.local_addr().expect("addr");
     let app = switchyard_server::router(state.clone());
     runtime.spawn(async move {
