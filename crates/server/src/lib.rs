@@ -119,12 +119,7 @@ pub async fn build_state(cfg: &Config) -> Result<Arc<AppState>, ServerError> {
         tokio::spawn(Arc::clone(&r).health_loop());
         models.insert(b.name.clone(), Served::Remote(r));
     }
-    Ok(Arc::new(AppState {
-        models,
-        config: cfg.server.clone(),
-        metrics: metrics::Metrics::new(),
-        shutting_down: false.into(),
-    }))
+    Ok(Arc::new(AppState::new(models, cfg.server.clone())))
 }
 
 /// Serves until SIGINT or SIGTERM, then stops accepting, lets running requests finish for up

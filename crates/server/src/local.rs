@@ -8,6 +8,7 @@ use switchyard_engine::{EngineConfig, EngineHandle, EngineInfo, EngineRequest, R
 use switchyard_models::{LayeredModel, LoadOptions};
 use switchyard_request::FinishReason;
 use switchyard_tokenizer::Tokenizer;
+use tokio::sync::Semaphore;
 
 use crate::config::ModelSection;
 use crate::error::ApiError;
@@ -153,17 +154,26 @@ impl LocalModel {
         Ok(EngineRequest { prompt, params })
     }
 
-    /// [`LocalModel::prepare`] on the blocking pool: rendering a chat template and tokenizing
-    /// a long prompt are CPU work that must not hold one of the runtime's few workers. The
-    /// request comes back beside its engine request.
+    /// [`LocalModel::prepare`] on the blocking pool, once one of `places` is free: rendering
+    /// a chat template and tokenizing a long prompt are CPU work that must not hold one of the
+    /// runtime's few workers. The request comes back beside its engine request.
     pub async fn prepare_blocking(
         self: &Arc<Self>,
         req: ValidRequest,
+        places: &Arc<Semaphore>,
     ) -> Result<(ValidRequest, EngineRequest), ApiError> {
-        let m = Arc::clone(self);
-        tokio::task::spawn_blocking(move || m.prepare(&req).map(|e| (req, e)))
+        let place = Arc::clone(places)
+            .acquire_owned()
             .await
-            .map_err(|e| ApiError::Internal(format!("preparing the request failed: {e}")))?
+            .map_err(|_| ApiError::ShuttingDown)?;
+        let m = Arc::clone(self);
+        tokio::task::spawn_blocking(move || {
+            let prepared = m.prepare(&req).map(|e| (req, e));
+            drop(place);
+            prepared
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("preparing the request failed: {e}")))?
     }
 
     /// Text of one token for log-probability listings.

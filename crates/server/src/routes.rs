@@ -94,12 +94,23 @@ async fn generate_inner(
     let fail = |e: ApiError| (name.clone(), e);
     match served {
         Served::Local(m) => {
-            let (req, engine_req) = m.prepare_blocking(req).await.map_err(fail)?;
-            let resp = serve_local(state, m, req, engine_req).await.map_err(fail)?;
+            // Admitted first: tokenizing is the costly part of a request it would refuse.
+            let admission = m.admit(state.config.max_in_flight).map_err(fail)?;
+            let (req, engine_req) = m
+                .prepare_blocking(req, &state.tokenizing)
+                .await
+                .map_err(fail)?;
+            let resp = serve_local(state, m, req, engine_req, admission)
+                .await
+                .map_err(fail)?;
             Ok((name, resp))
         }
         Served::Modes(ms) => {
-            let (req, engine_req) = ms.base.prepare_blocking(req).await.map_err(fail)?;
+            let (req, engine_req) = ms
+                .base
+                .prepare_blocking(req, &state.tokenizing)
+                .await
+                .map_err(fail)?;
             let _in_flight = ms.enter();
             let workload = headers
                 .get("x-switchyard-workload")
@@ -122,9 +133,14 @@ async fn generate_inner(
                 .route_seconds
                 .with_label_values(&[&name])
                 .inc_by(r.decision_us / 1e6);
-            let mut resp = serve_local(state, Arc::clone(&routed.model), req, engine_req)
-                .await
+            let admission = routed
+                .model
+                .admit(state.config.max_in_flight)
                 .map_err(fail)?;
+            let mut resp =
+                serve_local(state, Arc::clone(&routed.model), req, engine_req, admission)
+                    .await
+                    .map_err(fail)?;
             let route = format!(
                 "rule={}; class={}; fallback={}; prompt_tokens={}; max_tokens={}; shared_prefix_tokens={}; memory_pressure={:.2}; queue_depth={}; workload={}",
                 r.rule,
@@ -154,8 +170,8 @@ async fn generate_inner(
             Ok((name, resp))
         }
         Served::Helios(h) => {
-            let hreq = h.prepare(&req).map_err(fail)?;
             let admission = h.admit(state.config.max_in_flight).map_err(fail)?;
+            let hreq = h.prepare(&req).map_err(fail)?;
             let timeout = Duration::from_secs(state.config.request_timeout_s);
             let resp = if req.stream {
                 helios_stream_response(state.clone(), &h, req, hreq, admission, timeout)
@@ -183,14 +199,14 @@ async fn read_body(state: &AppState, body: Body) -> Result<axum::body::Bytes, Ap
         .map_err(|_| ApiError::TooLarge { limit })
 }
 
-/// Admits a prepared request to a local engine and answers it, streamed or whole.
+/// Sends an admitted, prepared request to a local engine and answers it, streamed or whole.
 async fn serve_local(
     state: &Arc<AppState>,
     m: Arc<LocalModel>,
     req: ValidRequest,
     engine_req: EngineRequest,
+    admission: Admission,
 ) -> Result<Response, ApiError> {
-    let admission = m.admit(state.config.max_in_flight)?;
     let stream = m.handle.add_request(engine_req)?;
     let timeout = Duration::from_secs(state.config.request_timeout_s);
     if req.stream {

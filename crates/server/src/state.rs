@@ -4,6 +4,8 @@ use std::collections::BTreeMap;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+use tokio::sync::Semaphore;
+
 use crate::config::ServerSection;
 use crate::helios::HeliosModel;
 use crate::local::LocalModel;
@@ -27,4 +29,21 @@ pub struct AppState {
     pub metrics: Metrics,
     /// Set by SIGINT/SIGTERM: new requests get 503 while running ones finish.
     pub shutting_down: AtomicBool,
+    /// Places on the blocking pool for tokenizing admitted requests: one a core, so that a
+    /// burst of long prompts queues here (bounded by admission) instead of starting a thread
+    /// each.
+    pub tokenizing: Arc<Semaphore>,
+}
+
+impl AppState {
+    pub fn new(models: BTreeMap<String, Served>, config: ServerSection) -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self {
+            models,
+            config,
+            metrics: Metrics::new(),
+            shutting_down: AtomicBool::new(false),
+            tokenizing: Arc::new(Semaphore::new(cores)),
+        }
+    }
 }

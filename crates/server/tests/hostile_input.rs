@@ -345,3 +345,74 @@ fn a_client_that_never_reads_is_cut_off_and_its_kv_freed() {
         drop(clients);
     });
 }
+
+/// Prompts sent at once, and the bytes of each.
+const BIG_PROMPTS: usize = 300;
+const PROMPT_BYTES: usize = 1 << 20;
+/// Requests the server admits at once in that test.
+const BIG_PROMPT_SLOTS: usize = 8;
+
+/// 300 prompts of 1 MiB at once. Before, each was tokenized on the runtime's two workers
+/// before admission, and `/health` waited behind all of them; now a prompt is tokenized only
+/// once admitted, on the blocking pool, and the rest are refused with 429 at once.
+#[test]
+fn three_hundred_prompts_of_one_mib_do_not_delay_health() {
+    let server = synthetic::serve(
+        &format!(
+            "[server]\nmax_in_flight = {BIG_PROMPT_SLOTS}\nmax_body_bytes = {}",
+            2 * PROMPT_BYTES
+        ),
+        vec![(MODEL, synthetic::engine(MODEL, None))],
+    );
+    let base = server.base.clone();
+    synthetic::client_runtime().block_on(async {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .build()
+            .expect("client");
+        let words = "lorem ipsum dolor sit amet, consectetur adipiscing elit ";
+        let prompt: String = words.repeat(PROMPT_BYTES / words.len() + 1)[..PROMPT_BYTES].into();
+        let body = axum::body::Bytes::from(
+            serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}).to_string(),
+        );
+        let attack = async {
+            let t0 = Instant::now();
+            let answers = futures::future::join_all((0..BIG_PROMPTS).map(|_| async {
+                let resp = client
+                    .post(format!("{base}/v1/completions"))
+                    .header("content-type", "application/json")
+                    .body(body.clone())
+                    .send()
+                    .await
+                    .ok()?;
+                let status = resp.status().as_u16();
+                let body: serde_json::Value = resp.json().await.ok()?;
+                Some((status, body))
+            }))
+            .await;
+            (t0.elapsed(), answers)
+        };
+        let (worst, (took, answers)) =
+            synthetic::health_during(&base, PROBE_EVERY, PROBE_GIVE_UP, attack).await;
+        let answers: Vec<(u16, serde_json::Value)> =
+            answers.into_iter().map(|a| a.expect("answered")).collect();
+        let tokenized = answers.iter().filter(|(s, _)| *s == 400).count();
+        let refused = answers.iter().filter(|(s, _)| *s == 429).count();
+        println!(
+            "{BIG_PROMPTS} prompts of 1 MiB: /health answered within {worst:?}; {tokenized} tokenized, {refused} refused, all answered after {took:?}"
+        );
+        assert_eq!(tokenized + refused, BIG_PROMPTS);
+        assert!(tokenized >= BIG_PROMPT_SLOTS, "{tokenized}");
+        let (_, body) = answers.iter().find(|(s, _)| *s == 400).expect("one tokenized");
+        assert_eq!(
+            body["error"]["message"],
+            format!(
+                "this model's maximum context length is {} tokens, but the prompt has {} tokens",
+                synthetic::CONTEXT,
+                // One token a byte, plus the leading space mark and BOS.
+                PROMPT_BYTES + 2
+            )
+        );
+        assert!(worst < HEALTH_BOUND, "/health took {worst:?}");
+    });
+}

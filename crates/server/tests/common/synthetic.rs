@@ -12,7 +12,6 @@ use switchyard_engine::{EngineConfig, EngineHandle, SchedulerConfig};
 use switchyard_models::{LayeredModel, LoadOptions};
 use switchyard_server::config::Config;
 use switchyard_server::local::LocalModel;
-use switchyard_server::metrics::Metrics;
 use switchyard_server::state::{AppState, Served};
 use switchyard_tokenizer::Tokenizer;
 use switchyard_weights::{Architecture, MetaValue, Metadata, SyntheticSource};
@@ -121,12 +120,7 @@ pub fn serve_with_send_buffer(
             (name.to_string(), Served::Local(local))
         })
         .collect();
-    let state = Arc::new(AppState {
-        models: served,
-        config: cfg.server.clone(),
-        metrics: Metrics::new(),
-        shutting_down: false.into(),
-    });
+    let state = Arc::new(AppState::new(served, cfg.server.clone()));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(WORKERS)
         .enable_all()
