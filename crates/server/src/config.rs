@@ -24,6 +24,9 @@ pub const DEFAULT_BODY_TIMEOUT_S: u64 = 30;
 /// A streamed response whose client has not taken an event for this long is aborted (nginx's
 /// `send_timeout` is 60 s; a streaming client reads as events come).
 pub const DEFAULT_WRITE_TIMEOUT_S: u64 = 30;
+/// How long a ModeSwitch request waits for its mode to load before it is served in f16 while
+/// the load goes on (a q4 load takes seconds; an AWQ or GPTQ calibration, minutes).
+pub const DEFAULT_LOAD_WAIT_S: u64 = 30;
 /// Longest timeout or interval accepted, in seconds: a day is longer than any request should
 /// wait, and far from where `Instant + Duration` overflows.
 pub const MAX_TIMEOUT_S: u64 = 86_400;
@@ -93,6 +96,9 @@ pub struct ModeSwitchSection {
     /// Route with a learned router (a file `switchyard bench router --save-routers` wrote)
     /// instead of the rule policy.
     pub learned_router: Option<std::path::PathBuf>,
+    /// Seconds a request waits for its mode to load before it is served in f16 (the load
+    /// goes on in the background). Default [`DEFAULT_LOAD_WAIT_S`].
+    pub load_wait_s: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -301,6 +307,9 @@ impl Config {
                     "[modeswitch]: draft_len must be at least 1".into(),
                 ));
             }
+            if let Some(w) = m.load_wait_s {
+                seconds("[modeswitch]: load_wait_s", w)?;
+            }
         }
         if self.router.is_some() {
             self.router_policy()?;
@@ -454,6 +463,10 @@ mod tests {
             (
                 format!("[server]\nwrite_timeout_s = 0\n{model}"),
                 "server.write_timeout_s must be between 1 and 86400 seconds, got 0",
+            ),
+            (
+                "[modeswitch]\nname = \"x\"\nmodes = []\nload_wait_s = 0\n".to_string(),
+                "[modeswitch]: load_wait_s must be between 1 and 86400 seconds, got 0",
             ),
             (
                 format!("{backend}health_interval_s = 0\n"),

@@ -154,32 +154,41 @@ impl LocalModel {
         Ok(EngineRequest { prompt, params })
     }
 
-    /// [`LocalModel::prepare`] on the blocking pool, once one of `places` is free: rendering
-    /// a chat template and tokenizing a long prompt are CPU work that must not hold one of the
-    /// runtime's few workers. The request comes back beside its engine request.
+    /// [`LocalModel::prepare`] on the blocking pool (see [`on_blocking_pool`]). The request
+    /// comes back beside its engine request.
     pub async fn prepare_blocking(
         self: &Arc<Self>,
         req: ValidRequest,
         places: &Arc<Semaphore>,
     ) -> Result<(ValidRequest, EngineRequest), ApiError> {
-        let place = Arc::clone(places)
-            .acquire_owned()
-            .await
-            .map_err(|_| ApiError::ShuttingDown)?;
         let m = Arc::clone(self);
-        tokio::task::spawn_blocking(move || {
-            let prepared = m.prepare(&req).map(|e| (req, e));
-            drop(place);
-            prepared
-        })
-        .await
-        .map_err(|e| ApiError::Internal(format!("preparing the request failed: {e}")))?
+        on_blocking_pool(places, move || m.prepare(&req).map(|e| (req, e))).await?
     }
 
     /// Text of one token for log-probability listings.
     pub fn piece(&self, id: u32) -> String {
         self.info.tokenizer.decode(&[id], false).unwrap_or_default()
     }
+}
+
+/// Runs `work` on the blocking pool once one of `places` is free: rendering a chat template
+/// and tokenizing a long prompt are CPU work that must not hold one of the runtime's few
+/// workers, and a burst of them queues for the places instead of starting a thread each.
+pub async fn on_blocking_pool<T: Send + 'static>(
+    places: &Arc<Semaphore>,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    let place = Arc::clone(places)
+        .acquire_owned()
+        .await
+        .map_err(|_| ApiError::ShuttingDown)?;
+    tokio::task::spawn_blocking(move || {
+        let done = work();
+        drop(place);
+        done
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("preparing the request failed: {e}")))
 }
 
 pub fn finish_str(f: FinishReason) -> &'static str {

@@ -6,6 +6,10 @@
 //! loaded modes would exceed the memory budget. f16, the fallback, is loaded at start-up and
 //! never evicted: a mode that fails to load, or cannot get room, falls back to it.
 //!
+//! A load runs in the background: requests for loaded modes never wait for it, a request for
+//! the loading mode waits at most `load_wait_s` and is then served in f16 while the load goes
+//! on, and a mode whose engine thread failed is loaded again on its next request.
+//!
 //! The speculative modes run behind the same engine handle, one request at a time in arrival
 //! order (their draft/verify rounds are not batched across requests). `q4-awq` is calibrated
 //! on ShareGPT's calibration split when first loaded, and the calibration is kept for later
@@ -23,10 +27,10 @@ use std::collections::{HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
-use switchyard_engine::EngineRequest;
+use switchyard_engine::{EngineRequest, EngineStatus};
 use switchyard_modes::awq::AwqCalibration;
 use switchyard_modes::gptq::{GptqCalibration, GptqSettings};
 use switchyard_modes::serve::{ModeAssets, ModeServer, DEFAULT_SPEC_K};
@@ -35,9 +39,12 @@ use switchyard_router::{
     Decision, LearnedRouter, ModeSet, Policy, RequestFeatures, Router, RulesRouter,
 };
 use switchyard_tokenizer::Tokenizer;
+use tokio::sync::{watch, OnceCell, Semaphore};
 
-use crate::config::ModeSwitchSection;
-use crate::local::LocalModel;
+use crate::config::{ModeSwitchSection, DEFAULT_LOAD_WAIT_S};
+use crate::error::ApiError;
+use crate::local::{on_blocking_pool, LocalModel};
+use crate::validate::ValidRequest;
 use crate::ServerError;
 
 /// Each mode's engine budget when the section gives none.
@@ -65,10 +72,22 @@ pub struct RouteRecord {
     pub features: RequestFeatures,
 }
 
-struct Loaded {
+/// The outcome of a mode's load, once it has one.
+type LoadOutcome = Option<Result<Arc<LocalModel>, String>>;
+
+/// One mode's engine, or its load in progress.
+struct Slot {
     mode: Mode,
-    model: Arc<LocalModel>,
-    last_used: Instant,
+    engine: Engine,
+}
+
+enum Engine {
+    Loaded {
+        model: Arc<LocalModel>,
+        last_used: Instant,
+    },
+    /// Says how the background load ended.
+    Loading(watch::Receiver<LoadOutcome>),
 }
 
 /// Hashes of block-aligned prompt prefixes seen before.
@@ -79,20 +98,29 @@ struct PrefixIndex {
 }
 
 impl PrefixIndex {
-    fn hash(tokens: &[u32]) -> u64 {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        tokens.hash(&mut h);
-        h.finish()
+    /// The hash of each block-aligned prefix of `prompt` ([`PREFIX_GRAIN`] tokens, twice
+    /// that, ...). Each extends the hash of the one before, so the prompt is hashed once.
+    pub fn hashes(prompt: &[u32]) -> Vec<u64> {
+        let mut previous = 0u64;
+        prompt
+            .chunks_exact(PREFIX_GRAIN)
+            .map(|grain| {
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                previous.hash(&mut h);
+                grain.hash(&mut h);
+                previous = h.finish();
+                previous
+            })
+            .collect()
     }
 
-    /// The longest block-aligned prefix of `prompt` seen before; then remembers `prompt`'s.
-    fn observe(&mut self, prompt: &[u32]) -> usize {
+    /// The longest block-aligned prefix seen before, of a prompt with these prefix
+    /// [`PrefixIndex::hashes`]; then remembers them.
+    fn observe(&mut self, hashes: &[u64]) -> usize {
         let mut shared = 0;
-        let mut n = PREFIX_GRAIN;
-        while n <= prompt.len() {
-            let h = Self::hash(&prompt[..n]);
+        for (i, &h) in hashes.iter().enumerate() {
             if self.seen.contains(&h) {
-                shared = n;
+                shared = (i + 1) * PREFIX_GRAIN;
             } else {
                 self.seen.insert(h);
                 self.order.push_back(h);
@@ -102,26 +130,34 @@ impl PrefixIndex {
                     }
                 }
             }
-            n += PREFIX_GRAIN;
         }
         shared
     }
 }
 
+/// Builds one mode's engine from the model's assets within a budget (blocking):
+/// [`load_local`], or a stand-in in tests.
+pub type ModeLoader =
+    Arc<dyn Fn(&str, Mode, &ModeAssets, u64) -> Result<LocalModel, ServerError> + Send + Sync>;
+
 pub struct ModeSwitchModel {
     pub name: String,
     assets: ModeAssets,
+    loader: ModeLoader,
     offered: ModeSet,
     router: Box<dyn Router>,
     mode_budget: u64,
     total_budget: u64,
     /// f16: tokenizes and validates every request, and serves fallbacks.
     pub base: Arc<LocalModel>,
-    engines: tokio::sync::Mutex<Vec<Loaded>>,
+    /// Held only to look up or change the list, never across a load.
+    engines: Mutex<Vec<Slot>>,
+    /// How long a request waits for its mode to load before it is served in f16.
+    load_wait: Duration,
     /// `q4-awq`'s calibration, made on its first load.
-    awq: Mutex<Option<Arc<AwqCalibration>>>,
+    awq: OnceCell<Arc<AwqCalibration>>,
     /// `q4-gptq`'s blocks, read from the cache or made on its first load.
-    gptq: Mutex<Option<Arc<GptqCalibration>>>,
+    gptq: OnceCell<Arc<GptqCalibration>>,
     prefixes: Mutex<PrefixIndex>,
     recent: Mutex<VecDeque<RouteRecord>>,
     in_flight: AtomicUsize,
@@ -138,6 +174,15 @@ pub struct Routed {
 impl ModeSwitchModel {
     /// Opens the model and starts the f16 engine (blocking: run off the async runtime).
     pub fn start(section: &ModeSwitchSection, policy: Policy) -> Result<Self, ServerError> {
+        Self::start_with_loader(section, policy, Arc::new(load_local))
+    }
+
+    /// [`ModeSwitchModel::start`], building each mode's engine with `loader`.
+    pub fn start_with_loader(
+        section: &ModeSwitchSection,
+        policy: Policy,
+        loader: ModeLoader,
+    ) -> Result<Self, ServerError> {
         let path = switchyard_zoo::resolve_model(section.path.as_deref().unwrap_or(&section.name))?;
         let source = switchyard_weights::open(&path)?;
         let tokenizer = Arc::new(Tokenizer::from_source(&*source)?);
@@ -211,22 +256,26 @@ impl ModeSwitchModel {
             spec_k: section.draft_len.unwrap_or(DEFAULT_SPEC_K),
             max_model_len: section.max_model_len,
         };
-        let base = Arc::new(load_local(&section.name, Mode::F16, &assets, mode_budget)?);
+        let base = Arc::new(loader(&section.name, Mode::F16, &assets, mode_budget)?);
         Ok(Self {
             name: section.name.clone(),
             assets,
+            loader,
             offered,
             router,
             mode_budget,
             total_budget,
-            engines: tokio::sync::Mutex::new(vec![Loaded {
+            engines: Mutex::new(vec![Slot {
                 mode: Mode::F16,
-                model: Arc::clone(&base),
-                last_used: Instant::now(),
+                engine: Engine::Loaded {
+                    model: Arc::clone(&base),
+                    last_used: Instant::now(),
+                },
             }]),
             base,
-            awq: Mutex::default(),
-            gptq: Mutex::default(),
+            load_wait: Duration::from_secs(section.load_wait_s.unwrap_or(DEFAULT_LOAD_WAIT_S)),
+            awq: OnceCell::new(),
+            gptq: OnceCell::new(),
             prefixes: Mutex::default(),
             recent: Mutex::default(),
             in_flight: AtomicUsize::new(0),
@@ -246,13 +295,36 @@ impl ModeSwitchModel {
             .unwrap_or_default()
     }
 
-    /// Routes a prepared request and returns the engine that serves it (loading the mode if
-    /// needed, evicting the least recently used idle mode for room).
-    pub async fn route(&self, req: &EngineRequest, workload: Option<String>) -> Routed {
+    /// Tokenizes `req` with the f16 engine's tokenizer and hashes its prompt's prefixes, on
+    /// the blocking pool once one of `places` is free.
+    pub async fn prepare(
+        &self,
+        req: ValidRequest,
+        places: &Arc<Semaphore>,
+    ) -> Result<(ValidRequest, EngineRequest, Vec<u64>), ApiError> {
+        let base = Arc::clone(&self.base);
+        on_blocking_pool(places, move || {
+            let engine_req = base.prepare(&req)?;
+            let prefixes = PrefixIndex::hashes(&engine_req.prompt);
+            Ok((req, engine_req, prefixes))
+        })
+        .await?
+    }
+
+    /// Routes a prepared request (its prompt's prefix hashes from
+    /// [`ModeSwitchModel::prepare`]) and returns the engine that serves it: its mode's, once
+    /// loaded (a load starts in the background, evicting the least recently used idle mode
+    /// for room), or f16.
+    pub async fn route(
+        self: &Arc<Self>,
+        req: &EngineRequest,
+        prefixes: &[u64],
+        workload: Option<String>,
+    ) -> Routed {
         let shared = self
             .prefixes
             .lock()
-            .map(|mut p| p.observe(&req.prompt))
+            .map(|mut p| p.observe(prefixes))
             .unwrap_or(0);
         let features = RequestFeatures {
             prompt_tokens: req.prompt.len(),
@@ -315,20 +387,67 @@ impl ModeSwitchModel {
         f64::from_bits(self.last_pressure.load(Ordering::Relaxed))
     }
 
-    /// The engine of `mode`, loading it on first use.
-    async fn engine(&self, mode: Mode) -> Result<Arc<LocalModel>, String> {
-        let mut engines = self.engines.lock().await;
-        if let Some(l) = engines.iter_mut().find(|l| l.mode == mode) {
-            l.last_used = Instant::now();
-            return Ok(Arc::clone(&l.model));
+    /// The engine of `mode`: at once when loaded; otherwise its load (started here when none
+    /// runs) is waited for at most `load_wait_s`.
+    async fn engine(self: &Arc<Self>, mode: Mode) -> Result<Arc<LocalModel>, String> {
+        let mut outcome = {
+            let mut slots = self
+                .engines
+                .lock()
+                .map_err(|_| "the mode list is poisoned".to_string())?;
+            let at = slots.iter().position(|s| s.mode == mode);
+            match at.map(|i| &mut slots[i].engine) {
+                Some(Engine::Loaded { model, last_used })
+                    if model.handle.status() == EngineStatus::Running =>
+                {
+                    *last_used = Instant::now();
+                    return Ok(Arc::clone(model));
+                }
+                Some(Engine::Loading(outcome)) => outcome.clone(),
+                Some(Engine::Loaded { .. }) => {
+                    // Its engine thread failed: load it again.
+                    tracing::warn!(model = %self.name, %mode, "the mode's engine is down; loading it again");
+                    if let Some(i) = at {
+                        slots.remove(i);
+                    }
+                    self.start_load(&mut slots, mode)?
+                }
+                None => self.start_load(&mut slots, mode)?,
+            }
+        };
+        let waited = tokio::time::timeout(self.load_wait, outcome.wait_for(Option::is_some)).await;
+        match waited {
+            Ok(Ok(done)) => done
+                .clone()
+                .unwrap_or_else(|| Err(format!("{mode} did not load"))),
+            Ok(Err(_)) => Err(format!("the load of {mode} ended without an outcome")),
+            Err(_) => Err(format!(
+                "{mode} is still loading (waited {} s)",
+                self.load_wait.as_secs()
+            )),
         }
-        // Room: evict idle modes, least recently used first (never f16).
-        while (engines.len() as u64 + 1) * self.mode_budget > self.total_budget {
-            let victim = engines
+    }
+
+    /// Makes room for `mode` (evicting idle loaded modes, least recently used first, never
+    /// f16; loads in progress count) and starts its load in the background.
+    fn start_load(
+        self: &Arc<Self>,
+        slots: &mut Vec<Slot>,
+        mode: Mode,
+    ) -> Result<watch::Receiver<LoadOutcome>, String> {
+        while (slots.len() as u64 + 1) * self.mode_budget > self.total_budget {
+            let victim = slots
                 .iter()
                 .enumerate()
-                .filter(|(_, l)| l.mode != Mode::F16 && l.model.in_flight() == 0)
-                .min_by_key(|(_, l)| l.last_used)
+                .filter_map(|(i, s)| match &s.engine {
+                    Engine::Loaded { model, last_used }
+                        if s.mode != Mode::F16 && model.in_flight() == 0 =>
+                    {
+                        Some((i, *last_used))
+                    }
+                    _ => None,
+                })
+                .min_by_key(|&(_, last_used)| last_used)
                 .map(|(i, _)| i);
             let Some(i) = victim else {
                 return Err(format!(
@@ -336,10 +455,55 @@ impl ModeSwitchModel {
                     self.total_budget
                 ));
             };
-            let evicted = engines.remove(i);
+            let evicted = slots.remove(i);
             tracing::info!(model = %self.name, mode = %evicted.mode, "mode evicted (least recently used)");
-            let _ = evicted.model.handle.shutdown().recv().await;
+            if let Engine::Loaded { model, .. } = evicted.engine {
+                tokio::spawn(async move {
+                    let _ = model.handle.shutdown().recv().await;
+                });
+            }
         }
+        let (done, outcome) = watch::channel(None);
+        slots.push(Slot {
+            mode,
+            engine: Engine::Loading(outcome.clone()),
+        });
+        tokio::spawn(Arc::clone(self).load(mode, done));
+        Ok(outcome)
+    }
+
+    /// Loads `mode` (its calibration first, when it needs one), puts the engine in its slot
+    /// (or frees the slot when the load failed, so that a later request tries again) and says
+    /// so on `done`.
+    async fn load(self: Arc<Self>, mode: Mode, done: watch::Sender<LoadOutcome>) {
+        let t0 = Instant::now();
+        let result = self.build(mode).await.map(Arc::new);
+        match &result {
+            Ok(_) => {
+                tracing::info!(model = %self.name, %mode, seconds = t0.elapsed().as_secs_f64(), "mode loaded")
+            }
+            Err(why) => tracing::warn!(model = %self.name, %mode, %why, "mode failed to load"),
+        }
+        if let Ok(mut slots) = self.engines.lock() {
+            if let Some(i) = slots.iter().position(|s| s.mode == mode) {
+                match &result {
+                    Ok(model) => {
+                        slots[i].engine = Engine::Loaded {
+                            model: Arc::clone(model),
+                            last_used: Instant::now(),
+                        }
+                    }
+                    Err(_) => {
+                        slots.remove(i);
+                    }
+                }
+            }
+        }
+        let _ = done.send(Some(result));
+    }
+
+    /// `mode`'s engine (blocking work on the blocking pool).
+    async fn build(&self, mode: Mode) -> Result<LocalModel, String> {
         let (name, mut assets, budget) = (self.name.clone(), self.assets.clone(), self.mode_budget);
         if mode == Mode::Q4Awq {
             assets.awq = Some(self.awq_calibration().await?);
@@ -347,80 +511,72 @@ impl ModeSwitchModel {
         if mode.precision() == Precision::Q4Gptq {
             assets.gptq = Some(self.gptq_calibration().await?);
         }
-        let t0 = Instant::now();
-        let local = tokio::task::spawn_blocking(move || load_local(&name, mode, &assets, budget))
+        let loader = Arc::clone(&self.loader);
+        tokio::task::spawn_blocking(move || loader(&name, mode, &assets, budget))
             .await
             .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
-        tracing::info!(model = %self.name, %mode, seconds = t0.elapsed().as_secs_f64(), "mode loaded");
-        let local = Arc::new(local);
-        engines.push(Loaded {
-            mode,
-            model: Arc::clone(&local),
-            last_used: Instant::now(),
-        });
-        Ok(local)
+            .map_err(|e| e.to_string())
     }
 
-    /// `q4-awq`'s calibration, made on first use (called with the engines locked, so once).
+    /// `q4-awq`'s calibration, made once, on first use.
     async fn awq_calibration(&self) -> Result<Arc<AwqCalibration>, String> {
-        if let Some(c) = self.awq.lock().ok().and_then(|c| c.clone()) {
-            return Ok(c);
-        }
         let (source, tokenizer) = (
             Arc::clone(&self.assets.source),
             Arc::clone(&self.assets.tokenizer),
         );
-        let t0 = Instant::now();
-        let c = tokio::task::spawn_blocking(move || {
-            switchyard_modes::assets::calibrate_awq(source, &tokenizer, |_, _| {})
-        })
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("q4-awq calibration: {e}"))?;
-        tracing::info!(model = %self.name, seconds = t0.elapsed().as_secs_f64(), tokens = c.calibration_tokens, "q4-awq calibrated");
-        let c = Arc::new(c);
-        if let Ok(mut slot) = self.awq.lock() {
-            *slot = Some(Arc::clone(&c));
-        }
-        Ok(c)
+        self.awq
+            .get_or_try_init(|| async move {
+                let t0 = Instant::now();
+                let c = tokio::task::spawn_blocking(move || {
+                    switchyard_modes::assets::calibrate_awq(source, &tokenizer, |_, _| {})
+                })
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("q4-awq calibration: {e}"))?;
+                tracing::info!(model = %self.name, seconds = t0.elapsed().as_secs_f64(), tokens = c.calibration_tokens, "q4-awq calibrated");
+                Ok(Arc::new(c))
+            })
+            .await
+            .cloned()
     }
 
-    /// `q4-gptq`'s blocks: from the GPTQ cache, or made on first use and cached (called with
-    /// the engines locked, so once).
+    /// `q4-gptq`'s blocks: from the GPTQ cache, or made once, on first use, and cached.
     async fn gptq_calibration(&self) -> Result<Arc<GptqCalibration>, String> {
-        if let Some(c) = self.gptq.lock().ok().and_then(|c| c.clone()) {
-            return Ok(c);
-        }
         let (source, tokenizer) = (
             Arc::clone(&self.assets.source),
             Arc::clone(&self.assets.tokenizer),
         );
-        let t0 = Instant::now();
-        let (c, cached) = tokio::task::spawn_blocking(move || {
-            switchyard_modes::assets::calibrate_gptq(
-                source,
-                &tokenizer,
-                &GptqSettings::default(),
-                &switchyard_modes::assets::gptq_cache_dir(),
-                |_, _| {},
-            )
-        })
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("q4-gptq calibration: {e}"))?;
-        tracing::info!(model = %self.name, seconds = t0.elapsed().as_secs_f64(), tokens = c.calibration_tokens, cached, "q4-gptq ready");
-        let c = Arc::new(c);
-        if let Ok(mut slot) = self.gptq.lock() {
-            *slot = Some(Arc::clone(&c));
-        }
-        Ok(c)
+        self.gptq
+            .get_or_try_init(|| async move {
+                let t0 = Instant::now();
+                let (c, cached) = tokio::task::spawn_blocking(move || {
+                    switchyard_modes::assets::calibrate_gptq(
+                        source,
+                        &tokenizer,
+                        &GptqSettings::default(),
+                        &switchyard_modes::assets::gptq_cache_dir(),
+                        |_, _| {},
+                    )
+                })
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("q4-gptq calibration: {e}"))?;
+                tracing::info!(model = %self.name, seconds = t0.elapsed().as_secs_f64(), tokens = c.calibration_tokens, cached, "q4-gptq ready");
+                Ok(Arc::new(c))
+            })
+            .await
+            .cloned()
     }
 
-    /// Counts a request in flight until the returned guard drops.
-    pub fn enter(self: &Arc<Self>) -> InFlight {
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
-        InFlight(Arc::clone(self))
+    /// Reserves a place for a request before it is tokenized and routed, or says the model
+    /// is at capacity (429). The place is kept until the returned guard drops.
+    pub fn admit(self: &Arc<Self>, limit: usize) -> Result<InFlight, ApiError> {
+        let prev = self.in_flight.fetch_add(1, Ordering::SeqCst);
+        if prev >= limit {
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            return Err(ApiError::Overloaded(prev));
+        }
+        Ok(InFlight(Arc::clone(self)))
     }
 }
 
@@ -432,7 +588,8 @@ impl Drop for InFlight {
     }
 }
 
-fn load_local(
+/// Builds `mode`'s engine of the model in `assets` (the [`ModeLoader`] of a server).
+pub fn load_local(
     name: &str,
     mode: Mode,
     assets: &ModeAssets,
@@ -458,13 +615,31 @@ mod tests {
     #[test]
     fn prefix_index_finds_block_aligned_shared_prefixes() {
         let mut p = PrefixIndex::default();
+        let mut observe = |prompt: &[u32]| p.observe(&PrefixIndex::hashes(prompt));
         let a: Vec<u32> = (0..100).collect();
-        assert_eq!(p.observe(&a), 0);
+        assert_eq!(observe(&a), 0);
         // Same first 40 tokens: 32 of them are in whole 16-token grains.
         let mut b: Vec<u32> = (0..40).collect();
         b.extend(1000..1060);
-        assert_eq!(p.observe(&b), 32);
-        assert_eq!(p.observe(&a), 96);
-        assert_eq!(p.observe(&[7; 15]), 0);
+        assert_eq!(observe(&b), 32);
+        assert_eq!(observe(&a), 96);
+        assert_eq!(observe(&[7; 15]), 0);
+        // Equal grains after different ones are not a shared prefix.
+        let mut c: Vec<u32> = (500..516).collect();
+        c.extend(16..32);
+        assert_eq!(observe(&c), 0);
+    }
+
+    /// A prompt of 65,536 tokens has 4,096 block-aligned prefixes: hashed one after another,
+    /// not each from the start (134 million tokens hashed).
+    #[test]
+    fn a_long_prompt_is_hashed_once() {
+        let long: Vec<u32> = (0..65_536).collect();
+        let mut p = PrefixIndex::default();
+        let t0 = Instant::now();
+        assert_eq!(p.observe(&PrefixIndex::hashes(&long)), 0);
+        assert_eq!(p.observe(&PrefixIndex::hashes(&long)), 65_536);
+        let took = t0.elapsed();
+        assert!(took < std::time::Duration::from_millis(50), "{took:?}");
     }
 }

@@ -106,17 +106,15 @@ async fn generate_inner(
             Ok((name, resp))
         }
         Served::Modes(ms) => {
-            let (req, engine_req) = ms
-                .base
-                .prepare_blocking(req, &state.tokenizing)
-                .await
-                .map_err(fail)?;
-            let _in_flight = ms.enter();
+            // Admitted before it is tokenized and routed, as a local model's request is.
+            let _admission = ms.admit(state.config.max_in_flight).map_err(fail)?;
+            let (req, engine_req, prefixes) =
+                ms.prepare(req, &state.tokenizing).await.map_err(fail)?;
             let workload = headers
                 .get("x-switchyard-workload")
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_string);
-            let routed = ms.route(&engine_req, workload).await;
+            let routed = ms.route(&engine_req, &prefixes, workload).await;
             let r = &routed.record;
             state
                 .metrics

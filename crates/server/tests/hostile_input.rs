@@ -9,7 +9,10 @@ use std::time::{Duration, Instant};
 
 use common::synthetic;
 use switchyard_engine::{DecodedToken, EngineHandle, EngineInfo, EngineRequest, SequentialDecoder};
-use switchyard_request::FinishReason;
+use switchyard_request::{FinishReason, Mode};
+use switchyard_server::config::Config;
+use switchyard_server::modeswitch::{load_local, ModeLoader, ModeSwitchModel};
+use switchyard_server::state::Served;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The model name every test serves.
@@ -285,7 +288,7 @@ fn a_client_that_never_reads_is_cut_off_and_its_kv_freed() {
     let base = server.base.clone();
     let addr: std::net::SocketAddr = base.trim_start_matches("http://").parse().expect("address");
     let served = match server.state.models.get(MODEL) {
-        Some(switchyard_server::state::Served::Local(m)) => Arc::clone(m),
+        Some(Served::Local(m)) => Arc::clone(m),
         _ => panic!("the model is served locally"),
     };
     synthetic::client_runtime().block_on(async {
@@ -414,5 +417,123 @@ fn three_hundred_prompts_of_one_mib_do_not_delay_health() {
             )
         );
         assert!(worst < HEALTH_BOUND, "/health took {worst:?}");
+    });
+}
+
+/// The zoo model the ModeSwitch test routes between modes of.
+const ZOO_MODEL: &str = "smollm2-135m-instruct";
+
+/// ModeSwitch over the zoo model offering int8 and q4, whose q4 engine is built only once the
+/// test sends on `gate`: a mode load that takes as long as the test wants.
+fn gated_modeswitch(gate: std::sync::mpsc::Receiver<()>) -> Arc<ModeSwitchModel> {
+    let cfg = Config::parse(&format!(
+        "[modeswitch]\nname = \"modes\"\npath = \"{ZOO_MODEL}\"\nmodes = [\"int8\", \"q4\"]\n\
+         mode_budget = \"1GiB\"\nload_wait_s = 1\n"
+    ))
+    .expect("config");
+    let section = cfg.modeswitch.clone().expect("[modeswitch]");
+    let policy = cfg.router_policy().expect("policy");
+    let gate = std::sync::Mutex::new(gate);
+    let loader: ModeLoader = Arc::new(move |name, mode, assets, budget| {
+        if mode == Mode::Q4 {
+            let _ = gate.lock().map(|g| g.recv());
+        }
+        load_local(name, mode, assets, budget)
+    });
+    Arc::new(ModeSwitchModel::start_with_loader(&section, policy, loader).expect("ModeSwitch"))
+}
+
+/// A completion for the ModeSwitch model with a workload label: status, the serving mode,
+/// the route header.
+async fn routed(client: &reqwest::Client, base: &str, workload: &str) -> (u16, String, String) {
+    let resp = client
+        .post(format!("{base}/v1/completions"))
+        .header("x-switchyard-workload", workload)
+        .json(&serde_json::json!({
+            "model": "modes", "prompt": "The capital of France is", "max_tokens": 4,
+            "temperature": 0,
+        }))
+        .send()
+        .await
+        .expect("answered");
+    let header = |k: &str| {
+        resp.headers()
+            .get(k)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    };
+    (
+        resp.status().as_u16(),
+        header("x-switchyard-mode"),
+        header("x-switchyard-route"),
+    )
+}
+
+/// A request routed to q4 starts q4's load, which takes as long as the test holds its gate.
+/// Before, the load held the lock on every mode: a request the router sends to f16 (loaded at
+/// start) waited behind it. Now it is served at once; the q4 request waits `load_wait_s` for
+/// the load, then is served in f16 while the load goes on, and later q4 requests get q4.
+#[test]
+fn a_request_for_a_loaded_mode_completes_while_another_mode_loads() {
+    let (release, gate) = std::sync::mpsc::channel();
+    let modes = gated_modeswitch(gate);
+    let server = synthetic::serve_models(
+        "[server]\nadmin = true",
+        [("modes".to_string(), Served::Modes(modes))].into(),
+    );
+    let base = server.base.clone();
+    synthetic::client_runtime().block_on(async {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .build()
+            .expect("client");
+        // Synthetic-shape traffic goes to q4 (rule 4), whose load now starts.
+        let waiting = tokio::spawn({
+            let (client, base) = (client.clone(), base.clone());
+            async move { routed(&client, &base, "SS").await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+
+        // Math goes to speculative decoding, not offered here: f16, loaded at start.
+        let t0 = Instant::now();
+        let (status, mode, _) = routed(&client, &base, "gsm8k").await;
+        let took = t0.elapsed();
+        println!("ModeSwitch: an f16 request took {took:?} while q4 was loading");
+        assert_eq!((status, mode.as_str()), (200, "f16"));
+        assert!(took < Duration::from_secs(2), "{took:?}");
+
+        let (status, mode, route) = waiting.await.expect("the q4 request");
+        assert_eq!((status, mode.as_str()), (200, "f16"), "{route}");
+        assert!(route.contains("fallback=true"), "{route}");
+        let routes: serde_json::Value = client
+            .get(format!("{base}/admin/routes"))
+            .send()
+            .await
+            .expect("routes")
+            .json()
+            .await
+            .expect("JSON");
+        let waited = routes["modes"]
+            .as_array()
+            .and_then(|l| l.iter().find(|r| r["features"]["workload"] == "SS"))
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(
+            waited["fallback_reason"], "q4 is still loading (waited 1 s)",
+            "{routes}"
+        );
+
+        release.send(()).expect("the gate is open");
+        let t0 = Instant::now();
+        loop {
+            let (status, mode, _) = routed(&client, &base, "SS").await;
+            assert_eq!(status, 200);
+            if mode == "q4" {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "q4 never loaded");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     });
 }

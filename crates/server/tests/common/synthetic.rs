@@ -120,7 +120,21 @@ pub fn serve_with_send_buffer(
             (name.to_string(), Served::Local(local))
         })
         .collect();
-    let state = Arc::new(AppState::new(served, cfg.server.clone()));
+    serve_on(AppState::new(served, cfg.server.clone()), send_buffer)
+}
+
+/// Serves `models` as they are (local engines, ModeSwitch models, ...) with the `[server]`
+/// settings of `server_toml`.
+pub fn serve_models(server_toml: &str, models: BTreeMap<String, Served>) -> SyntheticServer {
+    let cfg = Config::parse(&format!(
+        "{server_toml}\n[[models]]\nname = \"unused: the models are given\"\n"
+    ))
+    .expect("test config");
+    serve_on(AppState::new(models, cfg.server.clone()), None)
+}
+
+fn serve_on(state: AppState, send_buffer: Option<u32>) -> SyntheticServer {
+    let state = Arc::new(state);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(WORKERS)
         .enable_all()
