@@ -520,52 +520,37 @@ impl ModeSwitchModel {
 
     /// `q4-awq`'s calibration, made once, on first use.
     async fn awq_calibration(&self) -> Result<Arc<AwqCalibration>, String> {
-        let (source, tokenizer) = (
-            Arc::clone(&self.assets.source),
-            Arc::clone(&self.assets.tokenizer),
-        );
-        self.awq
-            .get_or_try_init(|| async move {
-                let t0 = Instant::now();
-                let c = tokio::task::spawn_blocking(move || {
-                    switchyard_modes::assets::calibrate_awq(source, &tokenizer, |_, _| {})
-                })
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| format!("q4-awq calibration: {e}"))?;
-                tracing::info!(model = %self.name, seconds = t0.elapsed().as_secs_f64(), tokens = c.calibration_tokens, "q4-awq calibrated");
-                Ok(Arc::new(c))
-            })
-            .await
-            .cloned()
+        let (source, tokenizer) = self.calibration_inputs();
+        made_once(&self.awq, &self.name, "q4-awq calibration", move || {
+            let c = switchyard_modes::assets::calibrate_awq(source, &tokenizer, |_, _| {})?;
+            tracing::info!(tokens = c.calibration_tokens, "q4-awq calibrated");
+            Ok(c)
+        })
+        .await
     }
 
     /// `q4-gptq`'s blocks: from the GPTQ cache, or made once, on first use, and cached.
     async fn gptq_calibration(&self) -> Result<Arc<GptqCalibration>, String> {
-        let (source, tokenizer) = (
+        let (source, tokenizer) = self.calibration_inputs();
+        made_once(&self.gptq, &self.name, "q4-gptq calibration", move || {
+            let (c, cached) = switchyard_modes::assets::calibrate_gptq(
+                source,
+                &tokenizer,
+                &GptqSettings::default(),
+                &switchyard_modes::assets::gptq_cache_dir(),
+                |_, _| {},
+            )?;
+            tracing::info!(tokens = c.calibration_tokens, cached, "q4-gptq ready");
+            Ok(c)
+        })
+        .await
+    }
+
+    fn calibration_inputs(&self) -> (Arc<dyn switchyard_weights::WeightSource>, Arc<Tokenizer>) {
+        (
             Arc::clone(&self.assets.source),
             Arc::clone(&self.assets.tokenizer),
-        );
-        self.gptq
-            .get_or_try_init(|| async move {
-                let t0 = Instant::now();
-                let (c, cached) = tokio::task::spawn_blocking(move || {
-                    switchyard_modes::assets::calibrate_gptq(
-                        source,
-                        &tokenizer,
-                        &GptqSettings::default(),
-                        &switchyard_modes::assets::gptq_cache_dir(),
-                        |_, _| {},
-                    )
-                })
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| format!("q4-gptq calibration: {e}"))?;
-                tracing::info!(model = %self.name, seconds = t0.elapsed().as_secs_f64(), tokens = c.calibration_tokens, cached, "q4-gptq ready");
-                Ok(Arc::new(c))
-            })
-            .await
-            .cloned()
+        )
     }
 
     /// Reserves a place for a request before it is tokenized and routed, or says the model
@@ -586,6 +571,28 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
     }
+}
+
+/// `cell`'s value, made by `make` on the blocking pool the first time it is asked for (one
+/// caller makes it while the others wait); `what` names it in errors and in the log line of
+/// `model`.
+async fn made_once<T: Send + Sync + 'static>(
+    cell: &OnceCell<Arc<T>>,
+    model: &str,
+    what: &str,
+    make: impl FnOnce() -> Result<T, switchyard_modes::ModesError> + Send + 'static,
+) -> Result<Arc<T>, String> {
+    cell.get_or_try_init(|| async {
+        let t0 = Instant::now();
+        let made = tokio::task::spawn_blocking(make)
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("{what}: {e}"))?;
+        tracing::info!(%model, seconds = t0.elapsed().as_secs_f64(), "{what} made");
+        Ok(Arc::new(made))
+    })
+    .await
+    .cloned()
 }
 
 /// Builds `mode`'s engine of the model in `assets` (the [`ModeLoader`] of a server).

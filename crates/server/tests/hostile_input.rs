@@ -96,21 +96,12 @@ fn a_hostile_chat_template_is_stopped_while_health_answers() {
     );
     let base = server.base.clone();
     synthetic::client_runtime().block_on(async {
-        let client = reqwest::Client::builder()
-            .timeout(Duration::from_secs(10))
-            .build()
-            .expect("client");
+        let client = synthetic::client(Duration::from_secs(10));
         let messages = vec![serde_json::json!({"role": "user", "content": "spin"}); SPIN_MESSAGES];
         let body = serde_json::json!({"model": MODEL, "messages": messages, "max_tokens": 1});
-        let attack = async {
-            let t0 = Instant::now();
-            let answers = futures::future::join_all(
-                (0..2 * synthetic::WORKERS)
-                    .map(|_| post_json(&client, format!("{base}/v1/chat/completions"), &body)),
-            )
-            .await;
-            (t0.elapsed(), answers)
-        };
+        let attack = synthetic::all_at_once(2 * synthetic::WORKERS, |_| {
+            post_json(&client, format!("{base}/v1/chat/completions"), &body)
+        });
         let (worst, (took, answers)) =
             synthetic::health_during(&base, PROBE_EVERY, PROBE_GIVE_UP, attack).await;
         println!(
@@ -205,14 +196,15 @@ fn a_panicking_engine_makes_health_report_the_model_down() {
             .expect("answered");
         assert_eq!((status, body["choices"][0]["text"].as_str()), (200, Some("I")));
 
-        let (status, body) = post_json(&client, url.clone(), &completion("fragile", PANIC_TOKEN))
-            .await
-            .expect("answered");
-        assert_eq!(status, 503, "{body}");
-        assert_eq!(
-            body["error"]["message"],
-            "the engine of `fragile` failed and is down: its thread panicked"
-        );
+        let down = |(status, body): (u16, serde_json::Value)| {
+            assert_eq!(status, 503, "{body}");
+            assert_eq!(
+                body["error"]["message"],
+                "the engine of `fragile` failed and is down: its thread panicked"
+            );
+        };
+        let panics = completion("fragile", PANIC_TOKEN);
+        down(post_json(&client, url.clone(), &panics).await.expect("answered"));
 
         let (status, body) = get(&client, format!("{base}/health")).await;
         assert_eq!(status, 503, "{body}");
@@ -234,14 +226,8 @@ fn a_panicking_engine_makes_health_report_the_model_down() {
             "{metrics}"
         );
 
-        let (status, body) = post_json(&client, url.clone(), &completion("fragile", 5))
-            .await
-            .expect("answered");
-        assert_eq!(status, 503, "{body}");
-        assert_eq!(
-            body["error"]["message"],
-            "the engine of `fragile` failed and is down: its thread panicked"
-        );
+        let after = completion("fragile", 5);
+        down(post_json(&client, url.clone(), &after).await.expect("answered"));
         let (status, _) = post_json(&client, url, &completion(MODEL, 5))
             .await
             .expect("answered");
@@ -253,6 +239,14 @@ fn a_panicking_engine_makes_health_report_the_model_down() {
 const SLOTS: usize = 4;
 /// Tokens each non-reading client asks for: far more events than the socket buffers hold.
 const LONG_OUTPUT: usize = 3000;
+
+/// The status of a one-token completion of the synthetic model.
+async fn one_token(client: &reqwest::Client, base: &str) -> u16 {
+    let body = serde_json::json!({"model": MODEL, "prompt": [5], "max_tokens": 1});
+    post_json(client, format!("{base}/v1/completions"), &body)
+        .await
+        .map_or(0, |(status, _)| status)
+}
 
 /// Opens a connection whose receive buffer is as small as the kernel allows, sends a streamed
 /// completion request and never reads the answer.
@@ -300,14 +294,7 @@ fn a_client_that_never_reads_is_cut_off_and_its_kv_freed() {
             }
             // Every slot taken: the next request is refused.
             tokio::time::sleep(Duration::from_millis(300)).await;
-            let (status, _) = post_json(
-                &client,
-                format!("{base}/v1/completions"),
-                &serde_json::json!({"model": MODEL, "prompt": [5], "max_tokens": 1}),
-            )
-            .await
-            .expect("answered");
-            assert_eq!(status, 429);
+            assert_eq!(one_token(&client, &base).await, 429);
             let t0 = Instant::now();
             while served.in_flight() > 0 && t0.elapsed() < Duration::from_secs(5) {
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -322,22 +309,8 @@ fn a_client_that_never_reads_is_cut_off_and_its_kv_freed() {
         assert_eq!(in_flight, 0, "slots still held after {took:?}");
         let stats = served.handle.stats().recv().await.expect("stats");
         assert_eq!((stats.running, stats.kv_blocks_used), (0, 0));
-        let (status, _) = post_json(
-            &client,
-            format!("{base}/v1/completions"),
-            &serde_json::json!({"model": MODEL, "prompt": [5], "max_tokens": 1}),
-        )
-        .await
-        .expect("answered");
-        assert_eq!(status, 200);
-        let metrics = client
-            .get(format!("{base}/metrics"))
-            .send()
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("text");
+        assert_eq!(one_token(&client, &base).await, 200);
+        let (_, metrics) = get(&client, format!("{base}/metrics")).await;
         assert!(
             metrics.contains(&format!(
                 "switchyard_aborted_requests_total{{model=\"{MODEL}\",reason=\"write_timeout\"}} {SLOTS}"
@@ -369,32 +342,24 @@ fn three_hundred_prompts_of_one_mib_do_not_delay_health() {
     );
     let base = server.base.clone();
     synthetic::client_runtime().block_on(async {
-        let client = reqwest::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .build()
-            .expect("client");
+        let client = synthetic::client(Duration::from_secs(60));
         let words = "lorem ipsum dolor sit amet, consectetur adipiscing elit ";
         let prompt: String = words.repeat(PROMPT_BYTES / words.len() + 1)[..PROMPT_BYTES].into();
         let body = axum::body::Bytes::from(
             serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}).to_string(),
         );
-        let attack = async {
-            let t0 = Instant::now();
-            let answers = futures::future::join_all((0..BIG_PROMPTS).map(|_| async {
-                let resp = client
-                    .post(format!("{base}/v1/completions"))
-                    .header("content-type", "application/json")
-                    .body(body.clone())
-                    .send()
-                    .await
-                    .ok()?;
-                let status = resp.status().as_u16();
-                let body: serde_json::Value = resp.json().await.ok()?;
-                Some((status, body))
-            }))
-            .await;
-            (t0.elapsed(), answers)
-        };
+        let attack = synthetic::all_at_once(BIG_PROMPTS, |_| async {
+            let resp = client
+                .post(format!("{base}/v1/completions"))
+                .header("content-type", "application/json")
+                .body(body.clone())
+                .send()
+                .await
+                .ok()?;
+            let status = resp.status().as_u16();
+            let body: serde_json::Value = resp.json().await.ok()?;
+            Some((status, body))
+        });
         let (worst, (took, answers)) =
             synthetic::health_during(&base, PROBE_EVERY, PROBE_GIVE_UP, attack).await;
         let answers: Vec<(u16, serde_json::Value)> =
@@ -484,10 +449,7 @@ fn a_request_for_a_loaded_mode_completes_while_another_mode_loads() {
     );
     let base = server.base.clone();
     synthetic::client_runtime().block_on(async {
-        let client = reqwest::Client::builder()
-            .timeout(Duration::from_secs(5))
-            .build()
-            .expect("client");
+        let client = synthetic::client(Duration::from_secs(5));
         // Synthetic-shape traffic goes to q4 (rule 4), whose load now starts.
         let waiting = tokio::spawn({
             let (client, base) = (client.clone(), base.clone());

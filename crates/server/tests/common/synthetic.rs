@@ -162,6 +162,25 @@ fn serve_on(state: AppState, send_buffer: Option<u32>) -> SyntheticServer {
     }
 }
 
+/// A client whose requests give up after `timeout`.
+pub fn client(timeout: Duration) -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .build()
+        .expect("client")
+}
+
+/// Runs `n` requests made by `request` at once: how long until the last one ended, and what
+/// each gave.
+pub async fn all_at_once<T, F: std::future::Future<Output = T>>(
+    n: usize,
+    request: impl FnMut(usize) -> F,
+) -> (Duration, Vec<T>) {
+    let t0 = Instant::now();
+    let answers = futures::future::join_all((0..n).map(request)).await;
+    (t0.elapsed(), answers)
+}
+
 /// A client-side runtime of its own: what the tests drive requests from.
 pub fn client_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -180,10 +199,7 @@ pub async fn health_during<T>(
     give_up: Duration,
     attack: impl std::future::Future<Output = T>,
 ) -> (Duration, T) {
-    let client = reqwest::Client::builder()
-        .timeout(give_up)
-        .build()
-        .expect("client");
+    let client = client(give_up);
     let url = format!("{base}/health");
     let done = Arc::new(AtomicBool::new(false));
     let stop = done.clone();
