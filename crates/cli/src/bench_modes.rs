@@ -217,8 +217,9 @@ fn assets(a: &BenchModesArgs, modes: &[Mode]) -> anyhow::Result<ModeAssets> {
         )?;
         pb.finish_and_clear();
         let (rtn, gptq) = c.total_error();
+        let (outliers, rows) = c.outlier_rows();
         eprintln!(
-            "GPTQ: {} ({:.1} s); {} calibration tokens; output error on them {:.4e} -> {:.4e} ({:+.1}%) against round-to-nearest",
+            "GPTQ: {} ({:.1} s); {} calibration tokens ({outliers} of {rows} layer-input rows left out as outliers); output error on the others {:.4e} -> {:.4e} ({:+.1}%) against round-to-nearest",
             if cached { "read from the cache" } else { "calibrated" },
             t0.elapsed().as_secs_f64(),
             c.calibration_tokens,

@@ -63,14 +63,24 @@ const MATRICES: [(&str, &str); 7] = [
 /// What GPTQ is run with; part of the calibration cache's key.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GptqSettings {
-    /// Dampening added to the Hessian's diagonal, as a fraction of its mean diagonal.
+    /// Dampening added to the Hessian's diagonal: a fraction of each channel's own diagonal
+    /// entry with `damp_per_channel`, else of the mean diagonal (the paper's form).
     pub damp: f64,
+    /// Dampen each channel in proportion to itself. With the mean, a few loud channels (as
+    /// Qwen2.5's inputs have) set a dampening that swamps the quiet channels' correlations, and
+    /// GPTQ degrades to rounding there.
+    pub damp_per_channel: bool,
     /// Visit columns in order of decreasing Hessian diagonal (largest activations first); the
     /// block grids then come from the original weights ("static groups").
     pub act_order: bool,
     /// Search each Q4_0 block's scale for the least Hessian-diagonal-weighted error instead
     /// of ggml's largest-magnitude rule.
     pub grid_search: bool,
+    /// Leave out of the Hessian the input rows whose norm exceeds this multiple of the median
+    /// row norm (0: keep all). Models with attention sinks (Qwen2.5's first token) carry
+    /// activations hundreds of times the typical ones on a few positions; left in, those rows
+    /// dominate `XᵀX` and its dampening, and GPTQ fits them instead of ordinary tokens.
+    pub outlier_norm: f64,
     /// Calibration documents (ShareGPT's calibration split) and their length in tokens.
     pub docs: usize,
     pub doc_tokens: usize,
@@ -80,8 +90,10 @@ impl Default for GptqSettings {
     fn default() -> Self {
         Self {
             damp: 0.01,
+            damp_per_channel: true,
             act_order: true,
             grid_search: true,
+            outlier_norm: 20.0,
             docs: 32,
             doc_tokens: 256,
         }
@@ -125,6 +137,9 @@ pub struct MatrixReport {
     pub dtype: String,
     pub error_rtn: f64,
     pub error_gptq: f64,
+    /// Calibration input rows in the Hessian, and rows left out as outliers.
+    pub rows: usize,
+    pub outlier_rows: usize,
 }
 
 /// A whole model's GPTQ result.
@@ -138,6 +153,13 @@ pub struct GptqCalibration {
 }
 
 impl GptqCalibration {
+    /// Input rows left out of the Hessians as outliers, and all rows seen, over all matrices.
+    pub fn outlier_rows(&self) -> (usize, usize) {
+        self.reports.iter().fold((0, 0), |(o, n), m| {
+            (o + m.outlier_rows, n + m.rows + m.outlier_rows)
+        })
+    }
+
     /// Summed reconstruction error over all matrices, (round-to-nearest, GPTQ).
     pub fn total_error(&self) -> (f64, f64) {
         self.reports
@@ -345,9 +367,13 @@ pub fn quantize_matrix(
         }
     }
     let mean_diag = (0..cols).map(|i| h[(i, i)]).sum::<f64>() / cols as f64;
-    let damp = settings.damp * mean_diag;
     for i in 0..cols {
-        h[(i, i)] += damp;
+        let scale = if settings.damp_per_channel {
+            h[(i, i)]
+        } else {
+            mean_diag
+        };
+        h[(i, i)] += settings.damp * scale;
     }
     let mut order: Vec<usize> = (0..cols).collect();
     if settings.act_order {
@@ -478,6 +504,30 @@ pub fn reconstruction_error(a: &[f32], b: &[f32], rows: usize, cols: usize, h: &
 struct Hessian {
     sum: Tensor,
     rows: usize,
+    /// Rows left out as outliers (see [`GptqSettings::outlier_norm`]).
+    dropped: usize,
+}
+
+/// The rows of `x` (`[n, d]`) whose norm is at most `ratio` times the median row norm, and how
+/// many were left out (`ratio` 0 keeps all).
+fn typical_rows(x: &Tensor, ratio: f64) -> candle_core::Result<(Tensor, usize)> {
+    let n = x.dim(0)?;
+    if ratio <= 0.0 || n < 2 {
+        return Ok((x.clone(), 0));
+    }
+    let norms: Vec<f32> = x.sqr()?.sum(1)?.to_vec1()?;
+    let mut sorted = norms.clone();
+    sorted.sort_by(f32::total_cmp);
+    let limit = f64::from(sorted[n / 2]) * ratio * ratio;
+    let keep: Vec<u32> = (0..n as u32)
+        .filter(|&i| f64::from(norms[i as usize]) <= limit)
+        .collect();
+    let dropped = n - keep.len();
+    if dropped == 0 {
+        return Ok((x.clone(), 0));
+    }
+    let idx = Tensor::new(keep.as_slice(), x.device())?;
+    Ok((x.index_select(&idx, 0)?, dropped))
 }
 
 /// Quantizes the model layer by layer with GPTQ over `docs`. `target` decides the block type
@@ -532,11 +582,13 @@ pub fn calibrate(
             .collect();
         let observed: Rc<RefCell<HashMap<String, Hessian>>> = Rc::default();
         let sink = Rc::clone(&observed);
+        let outlier_norm = settings.outlier_norm;
         let observer = move |name: &str, x: &Tensor| -> candle_core::Result<()> {
             if !taps.iter().any(|t| t == name) {
                 return Ok(());
             }
             let x = x.flatten_to(x.rank().saturating_sub(2))?;
+            let (x, dropped) = typical_rows(&x, outlier_norm)?;
             let xtx = x.t()?.matmul(&x)?;
             let rows = x.dim(0)?;
             let mut all = sink.borrow_mut();
@@ -544,9 +596,15 @@ pub fn calibrate(
                 Some(h) => {
                     h.sum = (&h.sum + xtx)?;
                     h.rows += rows;
+                    h.dropped += dropped;
                 }
                 None => {
-                    all.insert(name.to_string(), Hessian { sum: xtx, rows });
+                    let h = Hessian {
+                        sum: xtx,
+                        rows,
+                        dropped,
+                    };
+                    all.insert(name.to_string(), h);
                 }
             }
             Ok(())
@@ -582,6 +640,8 @@ pub fn calibrate(
                 dtype: format!("{dtype:?}"),
                 error_rtn: reconstruction_error(&values, &rtn, rows, cols, &h),
                 error_gptq: reconstruction_error(&values, &q.dequantize()?, rows, cols, &h),
+                rows: hessian.rows,
+                outlier_rows: hessian.dropped,
             });
             tensors.insert(name, q);
         }
@@ -902,6 +962,7 @@ mod tests {
         cols: usize,
         h: &[f64],
         damp: f64,
+        per_channel: bool,
         order: &[usize],
         static_grids: bool,
     ) -> Vec<f32> {
@@ -909,7 +970,8 @@ mod tests {
         let mut w: Vec<f64> = w.iter().map(|&v| f64::from(v)).collect();
         let mean = (0..cols).map(|i| h[i * cols + i]).sum::<f64>() / cols as f64;
         for i in 0..cols {
-            h[i * cols + i] += damp * mean;
+            let scale = if per_channel { h[i * cols + i] } else { mean };
+            h[i * cols + i] += damp * scale;
         }
         // Gauss-Jordan on [H | I].
         let mut a = h.clone();
@@ -1029,9 +1091,10 @@ mod tests {
         let (rows, cols) = (16, 128);
         let (_, h) = inputs(&mut rng, 512, cols);
         let w = gaussian(&mut rng, rows * cols);
-        for act_order in [false, true] {
+        for (act_order, damp_per_channel) in [(false, true), (true, true), (true, false)] {
             let settings = GptqSettings {
                 act_order,
+                damp_per_channel,
                 grid_search: false,
                 ..GptqSettings::default()
             };
@@ -1041,7 +1104,16 @@ mod tests {
             if act_order {
                 order.sort_by(|&a, &b| h[b * cols + b].total_cmp(&h[a * cols + a]));
             }
-            let want = reference(&w, rows, cols, &h, settings.damp, &order, act_order);
+            let want = reference(
+                &w,
+                rows,
+                cols,
+                &h,
+                settings.damp,
+                settings.damp_per_channel,
+                &order,
+                act_order,
+            );
             let worst = got
                 .iter()
                 .zip(&want)
@@ -1121,6 +1193,19 @@ mod tests {
             eprintln!("Q4_K act_order {act_order}: rtn {e_rtn:.4e} gptq {e:.4e}");
             assert!(e < 0.8 * e_rtn, "{e:e} vs {e_rtn:e}");
         }
+    }
+
+    #[test]
+    fn rows_far_above_the_median_norm_are_left_out() {
+        let mut v = vec![1.0f32; 5 * 4];
+        v[8..12].copy_from_slice(&[30.0, 0.0, 0.0, 0.0]); // norm 30 against a median of 2
+        v[12..16].copy_from_slice(&[20.0, 0.0, 0.0, 0.0]); // norm 20: kept at ratio 10
+        let x = Tensor::from_vec(v, (5, 4), &Device::Cpu).unwrap();
+        let (kept, dropped) = typical_rows(&x, 10.0).unwrap();
+        assert_eq!((kept.dims2().unwrap(), dropped), ((4, 4), 1));
+        assert_eq!(kept.to_vec2::<f32>().unwrap()[2], vec![20.0, 0.0, 0.0, 0.0]);
+        let (all, none) = typical_rows(&x, 0.0).unwrap();
+        assert_eq!((all.dims2().unwrap(), none), ((5, 4), 0));
     }
 
     #[test]
