@@ -60,6 +60,12 @@ pub struct BenchModesArgs {
     mc_items: usize,
     #[arg(long, default_value_t = 5)]
     gsm8k_items: usize,
+    /// GPTQ's dampening, as a fraction of the Hessian's mean diagonal (`q4-gptq`).
+    #[arg(long, default_value_t = GptqSettings::default().damp)]
+    gptq_damp: f64,
+    /// GPTQ's calibration documents (ShareGPT calibration split, 256 tokens each).
+    #[arg(long, default_value_t = GptqSettings::default().docs)]
+    gptq_docs: usize,
     /// Write the report as JSON to FILE (stdout when omitted).
     #[arg(long, value_name = "FILE", num_args = 0..=1)]
     json: Option<Option<PathBuf>>,
@@ -203,7 +209,11 @@ fn assets(a: &BenchModesArgs, modes: &[Mode]) -> anyhow::Result<ModeAssets> {
     };
     let gptq = if modes.iter().any(|m| m.precision() == Precision::Q4Gptq) {
         let pb = bar("GPTQ calibration (layers)");
-        let settings = GptqSettings::default();
+        let settings = GptqSettings {
+            damp: a.gptq_damp,
+            docs: a.gptq_docs,
+            ..GptqSettings::default()
+        };
         let t0 = std::time::Instant::now();
         let (c, cached) = assets::calibrate_gptq(
             Arc::clone(&source),
