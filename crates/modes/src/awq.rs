@@ -22,7 +22,6 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::path::Path;
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -31,8 +30,9 @@ use candle_core::{Device, Tensor};
 use switchyard_models::{
     DenseKv, ForwardBatch, LayeredModel, LoadOptions, QuantTarget, WeightFormat,
 };
-use switchyard_weights::{names, Metadata, ModelSpec, TensorMeta, TokenizerOrigin, WeightSource};
+use switchyard_weights::{names, WeightSource};
 
+use crate::overlay::{OverlaySource, RawTensor};
 use crate::{ModesError, Result};
 
 /// The exponents tried for `s = mean|x|^α`; 0 is plain quantization, so the search never does
@@ -302,62 +302,27 @@ pub fn scales(mean: &[f32], alpha: f32) -> Vec<f32> {
     }
 }
 
-/// The model's weights with AWQ's scaled tensors in place of the originals; everything else
-/// is the inner source's.
-#[derive(Debug)]
-pub struct ScaledSource {
+/// The model's weights with AWQ's scaled tensors (as f32) in place of the originals.
+pub fn scaled_source(
     inner: Arc<dyn WeightSource>,
-    tensors: HashMap<String, QTensor>,
-}
-
-impl ScaledSource {
-    pub fn new(inner: Arc<dyn WeightSource>, calibration: &AwqCalibration) -> Result<Self> {
-        let tensors = calibration
-            .tensors
-            .iter()
-            .map(|(k, t)| Ok((k.clone(), QTensor::quantize(t, GgmlDType::F32)?)))
-            .collect::<Result<_>>()?;
-        Ok(Self { inner, tensors })
-    }
-}
-
-impl WeightSource for ScaledSource {
-    fn description(&self) -> String {
-        format!("{} (activation-aware scales)", self.inner.description())
-    }
-
-    fn spec(&self) -> &ModelSpec {
-        self.inner.spec()
-    }
-
-    fn metadata(&self) -> &Metadata {
-        self.inner.metadata()
-    }
-
-    fn tensor_meta(&self, name: &str) -> Option<TensorMeta> {
-        let meta = self.inner.tensor_meta(name)?;
-        Some(match self.tensors.get(name) {
-            Some(t) => TensorMeta {
+    calibration: &AwqCalibration,
+) -> Result<OverlaySource> {
+    let tensors = calibration
+        .tensors
+        .iter()
+        .map(|(k, t)| {
+            let q = QTensor::quantize(t, GgmlDType::F32)?;
+            let raw = RawTensor {
                 dtype: GgmlDType::F32,
-                n_bytes: t.storage_size_in_bytes(),
-                ..meta
-            },
-            None => meta,
+                shape: t.dims().to_vec(),
+                bytes: q.data()?.into_owned(),
+            };
+            Ok((k.clone(), raw))
         })
-    }
-
-    fn load(&self, name: &str, device: &Device) -> switchyard_weights::Result<QTensor> {
-        match self.tensors.get(name) {
-            Some(t) => Ok(QTensor::quantize(&t.dequantize(device)?, GgmlDType::F32)?),
-            None => self.inner.load(name, device),
-        }
-    }
-
-    fn tokenizer_origin(&self) -> TokenizerOrigin {
-        self.inner.tokenizer_origin()
-    }
-
-    fn path(&self) -> Option<&Path> {
-        self.inner.path()
-    }
+        .collect::<Result<_>>()?;
+    Ok(OverlaySource::new(
+        inner,
+        "activation-aware scales",
+        tensors,
+    ))
 }

@@ -25,7 +25,6 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::path::Path;
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -36,7 +35,9 @@ use switchyard_models::{
     model::load_block, DenseKv, ForwardBatch, LayeredModel, LoadOptions, QuantTarget, TensorLoader,
     WeightFormat,
 };
-use switchyard_weights::{names, Metadata, ModelSpec, TensorMeta, TokenizerOrigin, WeightSource};
+use switchyard_weights::{names, WeightSource};
+
+use crate::overlay::{OverlaySource, RawTensor};
 
 use crate::{ModesError, Result};
 
@@ -646,10 +647,7 @@ pub fn calibrate(
             tensors.insert(name, q);
         }
         // The next layer sees this one's output through the 4-bit kernels.
-        let overlay = GptqSource {
-            inner: Arc::clone(&source),
-            tensors: tensors.clone(),
-        };
+        let overlay = overlay(Arc::clone(&source), &tensors);
         let loader = TensorLoader {
             src: &overlay,
             device: &device,
@@ -669,67 +667,27 @@ pub fn calibrate(
     })
 }
 
-/// The model's weights with GPTQ's 4-bit matrices in place of the originals; everything else
-/// is the inner source's.
-#[derive(Debug)]
-pub struct GptqSource {
+/// The model's weights with GPTQ's 4-bit matrices in place of the originals.
+pub fn gptq_source(inner: Arc<dyn WeightSource>, calibration: &GptqCalibration) -> OverlaySource {
+    overlay(inner, &calibration.tensors)
+}
+
+fn overlay(
     inner: Arc<dyn WeightSource>,
-    tensors: HashMap<String, QuantizedMatrix>,
-}
-
-impl GptqSource {
-    pub fn new(inner: Arc<dyn WeightSource>, calibration: &GptqCalibration) -> Self {
-        Self {
-            inner,
-            tensors: calibration.tensors.clone(),
-        }
-    }
-}
-
-impl WeightSource for GptqSource {
-    fn description(&self) -> String {
-        format!("{} (GPTQ 4-bit)", self.inner.description())
-    }
-
-    fn spec(&self) -> &ModelSpec {
-        self.inner.spec()
-    }
-
-    fn metadata(&self) -> &Metadata {
-        self.inner.metadata()
-    }
-
-    fn tensor_meta(&self, name: &str) -> Option<TensorMeta> {
-        let meta = self.inner.tensor_meta(name)?;
-        Some(match self.tensors.get(name) {
-            Some(t) => TensorMeta {
-                dtype: t.dtype,
-                n_bytes: t.bytes.len(),
-                ..meta
-            },
-            None => meta,
+    tensors: &HashMap<String, QuantizedMatrix>,
+) -> OverlaySource {
+    let tensors = tensors
+        .iter()
+        .map(|(k, m)| {
+            let raw = RawTensor {
+                dtype: m.dtype,
+                shape: m.shape.to_vec(),
+                bytes: m.bytes.clone(),
+            };
+            (k.clone(), raw)
         })
-    }
-
-    fn load(&self, name: &str, device: &Device) -> switchyard_weights::Result<QTensor> {
-        match self.tensors.get(name) {
-            Some(t) => Ok(qtensor_from_ggml(
-                t.dtype,
-                &t.bytes,
-                t.shape.to_vec(),
-                device,
-            )?),
-            None => self.inner.load(name, device),
-        }
-    }
-
-    fn tokenizer_origin(&self) -> TokenizerOrigin {
-        self.inner.tokenizer_origin()
-    }
-
-    fn path(&self) -> Option<&Path> {
-        self.inner.path()
-    }
+        .collect();
+    OverlaySource::new(inner, "GPTQ 4-bit", tensors)
 }
 
 /// The GPTQ cache: one safetensors file per (model, settings), holding each matrix's raw
@@ -1251,7 +1209,7 @@ mod tests {
         assert!(e_gptq < 0.8 * e_rtn, "{e_gptq:e} vs {e_rtn:e}");
 
         // Served as stored: the loaded model holds exactly the calibration's blocks.
-        let gptq_src = GptqSource::new(Arc::clone(&src), &cal);
+        let gptq_src = gptq_source(Arc::clone(&src), &cal);
         let name = names::layer(2, "ffn_down.weight");
         let loaded = gptq_src.load(&name, &Device::Cpu).unwrap();
         assert_eq!(loaded.dtype(), GgmlDType::Q4_0);

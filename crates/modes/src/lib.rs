@@ -11,6 +11,7 @@ pub mod assets;
 pub mod awq;
 pub mod bench;
 pub mod gptq;
+pub mod overlay;
 pub mod precision;
 pub mod router_bench;
 pub mod self_speculative;

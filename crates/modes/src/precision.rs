@@ -12,8 +12,8 @@ use switchyard_models::{LayeredModel, LoadOptions, QuantTarget, WeightFormat};
 use switchyard_request::Precision;
 use switchyard_weights::WeightSource;
 
-use crate::awq::{AwqCalibration, ScaledSource};
-use crate::gptq::{GptqCalibration, GptqSource};
+use crate::awq::{scaled_source, AwqCalibration};
+use crate::gptq::{gptq_source, GptqCalibration};
 use crate::{ModesError, Result};
 
 /// Relative RMS error of a product `x Wᵀ` with the weight held at each precision, against
@@ -65,13 +65,13 @@ pub fn load(
         format: weight_format(p),
     };
     let source: Arc<dyn WeightSource> = match (p, calibrations.awq, calibrations.gptq) {
-        (Precision::Q4Awq, Some(c), _) => Arc::new(ScaledSource::new(source, c)?),
+        (Precision::Q4Awq, Some(c), _) => Arc::new(scaled_source(source, c)?),
         (Precision::Q4Awq, None, _) => {
             return Err(ModesError::Invalid(
                 "the q4-awq precision needs an activation-aware calibration of the model".into(),
             ))
         }
-        (Precision::Q4Gptq, _, Some(c)) => Arc::new(GptqSource::new(source, c)),
+        (Precision::Q4Gptq, _, Some(c)) => Arc::new(gptq_source(source, c)),
         (Precision::Q4Gptq, _, None) => {
             return Err(ModesError::Invalid(
                 "the q4-gptq precision needs a GPTQ calibration of the model".into(),
