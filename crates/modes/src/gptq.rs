@@ -65,7 +65,9 @@ const MATRICES: [(&str, &str); 7] = [
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GptqSettings {
     /// Dampening added to the Hessian's diagonal: a fraction of each channel's own diagonal
-    /// entry with `damp_per_channel`, else of the mean diagonal (the paper's form).
+    /// entry with `damp_per_channel`, else of the mean diagonal (the paper's form). 0.1, not
+    /// the paper's 0.01: with 8,192 calibration tokens against inputs of up to 4,864 channels,
+    /// Qwen2.5-Coder-0.5B's held-out bits per byte were 0.4441 at 0.1 and 0.4455 at 0.01.
     pub damp: f64,
     /// Dampen each channel in proportion to itself instead of by the mean. Off by default: on
     /// Qwen2.5-Coder-0.5B it raised held-out bits per byte (0.4455 → 0.4503, `reports/gptq`),
@@ -90,7 +92,7 @@ pub struct GptqSettings {
 impl Default for GptqSettings {
     fn default() -> Self {
         Self {
-            damp: 0.01,
+            damp: 0.1,
             damp_per_channel: false,
             act_order: true,
             grid_search: true,
