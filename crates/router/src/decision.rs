@@ -159,11 +159,11 @@ mod tests {
     #[test]
     fn mode_set_holds_each_mode_once() {
         let all = ModeSet::all();
-        assert_eq!(all.iter().count(), 13);
+        assert_eq!(all.iter().count(), 15);
         assert!(Mode::ALL.iter().all(|&m| all.contains(m)));
         let set = all.without(Mode::Speculative);
         assert!(!set.contains(Mode::Speculative) && set.contains(Mode::Int8));
-        assert_eq!(set.iter().count(), 12);
+        assert_eq!(set.iter().count(), 14);
         let small: ModeSet = [Mode::Q4, Mode::F16].into_iter().collect();
         assert_eq!(small.iter().collect::<Vec<_>>(), vec![Mode::F16, Mode::Q4]);
         assert_eq!(format!("{small:?}"), r#"{"f16", "q4"}"#);
