@@ -221,6 +221,8 @@ pub struct SampledRequest {
     pub prompt_tokens: Vec<u32>,
     /// Tokens of the first gpt answer: the output length to generate.
     pub output_len: usize,
+    /// That answer's text (a reference to score, never a target to match).
+    pub answer: String,
 }
 
 /// A sample and where it came from.
@@ -271,6 +273,7 @@ pub fn sample_requests(path: &Path, tokenizer: &Tokenizer, opts: &SampleOptions)
             prompt,
             prompt_tokens,
             output_len,
+            answer,
         });
     }
     Ok(Sample {

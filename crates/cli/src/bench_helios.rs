@@ -13,7 +13,9 @@ use switchyard_helios::bench::{
     HeliosBenchContext, HeliosBenchOptions, HeliosBenchReport, SystemReport, DEFAULT_NUM_PROMPTS,
 };
 use switchyard_helios::manifest::Manifest;
-use switchyard_helios::policy::{Objective, PolicyConfig, RemedyMode, Slo};
+use switchyard_helios::policy::{
+    DepthRule, Evaluation, Objective, PolicyConfig, RemedyMode, ShadowConfig, Slo,
+};
 
 use crate::load::resolve_text;
 use crate::output::write_json;
@@ -69,6 +71,26 @@ pub struct BenchHeliosArgs {
     /// Caps every request's output tokens (the dataset answer's length otherwise).
     #[arg(long)]
     max_tokens: Option<usize>,
+    /// How HELIOS evaluates candidates: shadow (teacher-forced scoring of sampled prompts
+    /// beside serving) or serial (the paper's blocks of requests per candidate).
+    #[arg(long, default_value = "shadow", value_parser = ["shadow", "serial"])]
+    evaluation: String,
+    /// Also run HELIOS with serial evaluation beside the shadow run.
+    #[arg(long)]
+    serial: bool,
+    /// Most share of the wall time shadow scoring computes.
+    #[arg(long, default_value_t = ShadowConfig::default().share)]
+    shadow_share: f64,
+    /// Sampled prompts per shadow scoring round.
+    #[arg(long, default_value_t = ShadowConfig::default().window)]
+    shadow_window: usize,
+    /// One request in this many has its prompt scored.
+    #[arg(long, default_value_t = ShadowConfig::default().sample_every)]
+    shadow_sample_every: usize,
+    /// Depth rule: quality-bound (shallowest depth within the bits-per-byte bound) or
+    /// coverage (HELIOS's exit-histogram rule).
+    #[arg(long, default_value = "quality-bound", value_parser = ["quality-bound", "coverage"])]
+    depth_rule: String,
     /// Also run HELIOS switch-only / extend-only / dynamic, RI 50/150/250, thresholds
     /// 0.6/0.8/0.9 and CBCmax 25/50/75 on the same trace.
     #[arg(long)]
@@ -161,6 +183,22 @@ pub fn run(a: BenchHeliosArgs, threads: usize) -> anyhow::Result<()> {
             reprofile_interval: a.reprofile_interval,
             cbc_max: a.cbc_max,
             remedy: remedy(&a.remedy),
+            evaluation: if a.evaluation == "serial" {
+                Evaluation::Serial
+            } else {
+                Evaluation::Shadow
+            },
+            depth_rule: if a.depth_rule == "coverage" {
+                DepthRule::Coverage
+            } else {
+                DepthRule::QualityBound
+            },
+            shadow: ShadowConfig {
+                share: a.shadow_share,
+                window: a.shadow_window,
+                sample_every: a.shadow_sample_every,
+                ..ShadowConfig::default()
+            },
             ..PolicyConfig::default()
         },
         slo,
@@ -168,6 +206,7 @@ pub fn run(a: BenchHeliosArgs, threads: usize) -> anyhow::Result<()> {
         baseline_prompts: a.baseline_prompts,
         max_tokens: a.max_tokens,
         ablation: a.ablation,
+        serial: a.serial,
     };
     let ctx = HeliosBenchContext {
         repo: &repo,
@@ -213,4 +252,18 @@ fn summary(r: &HeliosBenchReport) {
     line(&r.vanilla);
     line(&r.ee_llm);
     line(&r.helios);
+    if let Some(s) = &r.helios_serial {
+        line(s);
+    }
+    if let Some(d) = &r.helios.decisions {
+        if d.shadow_rounds > 0 {
+            eprintln!(
+                "shadow scoring: {} rounds, {:.1} s computing, {:.1}% of its time, {} switches",
+                d.shadow_rounds,
+                d.shadow_busy_seconds,
+                100.0 * d.shadow_share_used,
+                d.switches
+            );
+        }
+    }
 }

@@ -40,7 +40,7 @@ use switchyard_weights::WeightSource;
 use crate::manifest::{DepthTelemetry, ExitHeadsKind, Manifest, ModelEntry, Source};
 use crate::orchestrator::Counters;
 use crate::pht::Pht;
-use crate::policy::{estimate, PolicyConfig, RemedyMode, Slo};
+use crate::policy::{estimate, DepthRule, Evaluation, PolicyConfig, RemedyMode, Slo};
 use crate::{HeliosError, Result};
 
 mod report;
@@ -105,16 +105,17 @@ impl BenchCandidate {
 
     /// The entry's exit heads: calibrated ones beside the model file, or the logit lens.
     fn heads(&self, model: &LayeredModel) -> Result<ExitHeads> {
-        let heads = match self.entry.exit_heads {
-            Some(ExitHeadsKind::Tuned) => {
-                let fp = switchyard_exits::fingerprint::fingerprint(&self.path)?;
-                let file = switchyard_exits::file::default_heads_path(&self.path);
-                switchyard_exits::file::load(&file, model, &fp)?
-            }
-            _ => ExitHeads::logit_lens(model, &self.entry.name, &self.entry.exit_layers)?,
-        };
-        heads.require_row_wise("HELIOS")?;
-        Ok(heads)
+        crate::shadow::candidate_heads(&self.entry, &self.path, model)
+    }
+
+    /// The entry's shadow scorer (no layer resident).
+    pub fn scorer(&self) -> Result<crate::shadow::ShadowScorer> {
+        crate::shadow::ShadowScorer::open(
+            &self.entry,
+            &self.path,
+            Arc::clone(&self.source),
+            Arc::clone(&self.tokenizer),
+        )
     }
 
     /// A serving engine with the entry's exit heads inside `budget` bytes.
@@ -224,6 +225,8 @@ pub struct HeliosBenchOptions {
     pub max_tokens: Option<usize>,
     /// Also run the ablations (remedy modes, RI, thresholds, CBCmax) on the same trace.
     pub ablation: bool,
+    /// Also run HELIOS with serial evaluation (the paper's), beside the policy's own.
+    pub serial: bool,
 }
 
 /// What the benchmark runs on: the repository, its opened local candidates, and the trace
@@ -277,6 +280,10 @@ pub struct Decisions {
     pub switch_drained: u64,
     pub cbc_fired: u64,
     pub evaluation_requests: u64,
+    pub shadow_rounds: u64,
+    pub shadow_busy_seconds: f64,
+    pub shadow_share_used: f64,
+    pub shadow_peak_bytes: u64,
 }
 
 impl From<&Counters> for Decisions {
@@ -292,6 +299,10 @@ impl From<&Counters> for Decisions {
             switch_drained: c.switch_drained,
             cbc_fired: c.cbc_fired,
             evaluation_requests: c.evaluation_requests,
+            shadow_rounds: c.shadow_rounds,
+            shadow_busy_seconds: c.shadow_busy_seconds,
+            shadow_share_used: c.shadow_share_used,
+            shadow_peak_bytes: c.shadow_peak_bytes,
         }
     }
 }
@@ -371,6 +382,11 @@ pub struct HeliosBenchReport {
     pub vanilla: SystemReport,
     pub ee_llm: SystemReport,
     pub helios: SystemReport,
+    /// HELIOS with serial evaluation, when asked for beside a shadow run.
+    pub helios_serial: Option<SystemReport>,
+    pub helios_serial_vs_vanilla_throughput: Option<f64>,
+    /// Shadow evaluation's rounds (empty under serial evaluation).
+    pub shadow_rounds: Vec<crate::orchestrator::ShadowRound>,
     /// HELIOS output tokens/s over EE-LLM's and over vanilla's.
     pub helios_vs_ee_llm_throughput: f64,
     pub helios_vs_vanilla_throughput: f64,
@@ -389,6 +405,8 @@ struct Job {
     /// Tokenized by the vanilla model's tokenizer.
     prompt: Vec<u32>,
     output_len: usize,
+    /// The dataset's answer, scored by shadow evaluation as a reference.
+    reference: Option<String>,
 }
 
 fn greedy(n: usize) -> SamplingParams {
@@ -448,6 +466,7 @@ pub fn run_bench_helios(
             output_len: opts
                 .max_tokens
                 .map_or(r.output_len, |m| r.output_len.min(m)),
+            reference: (!r.answer.is_empty()).then(|| r.answer.clone()),
         })
         .collect();
     if jobs.is_empty() {
@@ -459,11 +478,22 @@ pub fn run_bench_helios(
     on_phase(&format!("EE-LLM baseline ({vanilla_name}, batch 1)"));
     let n_base = opts.baseline_prompts.unwrap_or(jobs.len()).min(jobs.len());
     let mut ee = run_ee_llm(vanilla_c, &jobs[..n_base], opts)?;
-    on_phase("HELIOS");
-    let (mut helios, pht) = run_helios(ctx, &jobs, opts, &opts.policy)?;
+    on_phase(&format!("HELIOS ({:?} evaluation)", opts.policy.evaluation));
+    let (mut helios, pht, shadow_rounds) = run_helios(ctx, &jobs, opts, &opts.policy)?;
+    let mut helios_serial = None;
+    let mut pht = pht;
+    if opts.serial && opts.policy.evaluation != Evaluation::Serial {
+        on_phase("HELIOS (serial evaluation)");
+        let (s, serial_pht, _) = run_helios(ctx, &jobs, opts, &serial_policy(&opts.policy))?;
+        helios_serial = Some(s);
+        pht = serial_pht;
+    }
 
     let full_bpb = vanilla.bits_per_byte;
-    for s in [&mut vanilla, &mut ee, &mut helios] {
+    for s in [&mut vanilla, &mut ee, &mut helios]
+        .into_iter()
+        .chain(helios_serial.as_mut())
+    {
         s.bits_per_byte_vs_full = s.bits_per_byte - full_bpb;
     }
     ee.tokens_equal_to_vanilla = Some(equal_tokens(&ee.per_request, &vanilla.per_request));
@@ -482,7 +512,7 @@ pub fn run_bench_helios(
                 name.into(),
                 PolicyConfig {
                     remedy: mode,
-                    ..opts.policy.clone()
+                    ..serial_policy(&opts.policy)
                 },
             ));
         }
@@ -491,7 +521,7 @@ pub fn run_bench_helios(
                 format!("RI {ri}"),
                 PolicyConfig {
                     reprofile_interval: ri,
-                    ..opts.policy.clone()
+                    ..serial_policy(&opts.policy)
                 },
             ));
         }
@@ -500,7 +530,7 @@ pub fn run_bench_helios(
                 format!("threshold {th}"),
                 PolicyConfig {
                     threshold: th,
-                    ..opts.policy.clone()
+                    ..serial_policy(&opts.policy)
                 },
             ));
         }
@@ -509,13 +539,13 @@ pub fn run_bench_helios(
                 format!("CBCmax {cbc_max}"),
                 PolicyConfig {
                     cbc_max,
-                    ..opts.policy.clone()
+                    ..serial_policy(&opts.policy)
                 },
             ));
         }
         for (label, policy) in variants {
             on_phase(&format!("ablation: {label}"));
-            let (s, _) = run_helios(ctx, &jobs, opts, &policy)?;
+            let (s, _, _) = run_helios(ctx, &jobs, opts, &policy)?;
             ablations.push(AblationRow {
                 label,
                 remedy: policy.remedy,
@@ -549,6 +579,11 @@ pub fn run_bench_helios(
         vanilla_model: vanilla_name,
         policy: opts.policy.clone(),
         slo: opts.slo.clone(),
+        helios_serial_vs_vanilla_throughput: helios_serial
+            .as_ref()
+            .map(|s| s.output_tokens_per_s / vanilla.output_tokens_per_s),
+        helios_serial,
+        shadow_rounds,
         helios_vs_ee_llm_throughput: helios.output_tokens_per_s / ee.output_tokens_per_s,
         helios_vs_vanilla_throughput: helios.output_tokens_per_s / vanilla.output_tokens_per_s,
         helios_vs_ee_llm_batch: helios.largest_batch as f64 / ee.largest_batch.max(1) as f64,
@@ -560,6 +595,16 @@ pub fn run_bench_helios(
         ablations,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// The paper's loop: serial evaluation, the coverage depth rule, the rest of `p` as given
+/// (the ablations vary its remedy, RI, threshold and CBCmax).
+fn serial_policy(p: &PolicyConfig) -> PolicyConfig {
+    PolicyConfig {
+        evaluation: Evaluation::Serial,
+        depth_rule: DepthRule::Coverage,
+        ..p.clone()
+    }
 }
 
 /// Output tokens equal, position by position, to the reference's same request.

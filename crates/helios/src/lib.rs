@@ -12,6 +12,8 @@
 //!   under the SLO and memory budget, the online-evaluation plan, the depth from an exit
 //!   histogram, the Confidence Breach Counter, extend vs switch, re-profiling every RI
 //!   requests and the drift detector;
+//! * [`shadow`]: teacher-forced scoring of live prompts by candidates that do not serve,
+//!   streaming their layers one at a time, with a bounded share of compute;
 //! * [`orchestrator`]: the loop over real traffic and candidate engines: online evaluation
 //!   into the PHT, greedy partial load, breach remedies (extend or switch), re-profiling;
 //! * [`bench`]: `switchyard bench helios`, one ShareGPT trace served by the best single model
@@ -29,6 +31,7 @@ pub mod pht;
 pub mod policy;
 pub mod profile;
 pub mod remote;
+pub mod shadow;
 
 pub use manifest::{DepthTelemetry, Manifest, ModelEntry, Source};
 pub use pht::{ExitHistogram, Pht, PhtRow};

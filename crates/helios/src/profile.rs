@@ -371,7 +371,7 @@ fn teacher_force(target: &ProfileTarget<'_>, ids: &[u32], opts: &ProfileOptions)
 
 /// `-ln softmax(logits)[target]` and the top of the distribution, in one pass over the
 /// vocabulary (sums in f64).
-fn nll_and_stats(logits: &[f32], target: u32) -> (f64, TokenStats) {
+pub(crate) fn nll_and_stats(logits: &[f32], target: u32) -> (f64, TokenStats) {
     let (mut i1, mut l1, mut l2) = (0usize, f32::NEG_INFINITY, f32::NEG_INFINITY);
     for (i, &l) in logits.iter().enumerate() {
         if l > l1 {

@@ -130,6 +130,7 @@ fn bench_helios_report_adds_up_on_real_models() {
             prompt: p.to_string(),
             prompt_tokens: smol.tokenizer.encode(p, true, false).expect("encode"),
             output_len: *n,
+            answer: String::new(),
         })
         .collect::<Vec<_>>();
     let sample = Sample {
@@ -150,6 +151,7 @@ fn bench_helios_report_adds_up_on_real_models() {
         baseline_prompts: None,
         max_tokens: Some(TOKENS),
         ablation: false,
+        serial: false,
     };
     let ctx = HeliosBenchContext {
         repo: &repo,

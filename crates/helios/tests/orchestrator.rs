@@ -19,7 +19,7 @@ use switchyard_helios::manifest::{DepthTelemetry, ExitHeadsKind, Manifest, Model
 use switchyard_helios::orchestrator::{
     CandidateEngine, HeliosCompletion, HeliosPrompt, HeliosRequest, Orchestrator,
 };
-use switchyard_helios::policy::{Policy, PolicyConfig, RemedyMode, Slo};
+use switchyard_helios::policy::{DepthRule, Evaluation, Policy, PolicyConfig, RemedyMode, Slo};
 use switchyard_models::{LayeredModel, LoadOptions};
 use switchyard_request::SamplingParams;
 use switchyard_tokenizer::Tokenizer;
@@ -120,6 +120,8 @@ fn policy(remedy: RemedyMode, cbc_max: usize) -> Policy {
         remedy,
         reprofile_interval: 1000,
         min_kv_tokens: 256,
+        evaluation: Evaluation::Serial,
+        depth_rule: DepthRule::Coverage,
         ..PolicyConfig::default()
     };
     c.drift.window = 1_000_000;
@@ -147,10 +149,10 @@ const HARD: [&str; 6] = [
 ];
 
 fn ask(o: &Orchestrator, text: &str, n: usize) -> HeliosCompletion {
-    o.submit(HeliosRequest {
-        prompt: HeliosPrompt::Text(text.to_string()),
-        params: greedy(n),
-    })
+    o.submit(HeliosRequest::new(
+        HeliosPrompt::Text(text.to_string()),
+        greedy(n),
+    ))
     .expect("submit")
     .wait()
     .expect("completion")

@@ -136,6 +136,15 @@ impl DenseKv {
         }
     }
 
+    /// Frees every position of `layer` (a pass that streams layers needs each layer's K/V
+    /// only while it runs).
+    pub fn clear_layer(&mut self, layer: usize) {
+        if let Some((k, v)) = self.layers.get_mut(layer) {
+            *k = Vec::new();
+            *v = Vec::new();
+        }
+    }
+
     /// Bytes held by all layers.
     pub fn bytes(&self) -> usize {
         self.layers

@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use switchyard_engine::{EngineConfig, EngineCore, EngineHandle};
-use switchyard_exits::ExitHeads;
-use switchyard_helios::manifest::{ExitHeadsKind, Manifest, Source};
+use switchyard_helios::manifest::{Manifest, Source};
 use switchyard_helios::orchestrator::{CandidateEngine, HeliosPrompt, HeliosRequest, Orchestrator};
-use switchyard_helios::policy::Policy;
+use switchyard_helios::policy::{Evaluation, Policy};
+use switchyard_helios::shadow::ShadowScorer;
 use switchyard_models::{LayeredModel, LoadOptions};
 use switchyard_tokenizer::Tokenizer;
 
@@ -59,6 +59,8 @@ impl HeliosModel {
         };
         let share = total / local.len().max(1) as u64;
         let mut engines = Vec::new();
+        let shadow = section.policy.evaluation == Evaluation::Shadow;
+        let mut scorers = Vec::new();
         for m in &local {
             let Source::Local { path } = m.source() else {
                 continue;
@@ -67,20 +69,14 @@ impl HeliosModel {
             let source = switchyard_weights::open(&path)?;
             let tokenizer = Arc::new(Tokenizer::from_source(&*source)?);
             let model = LayeredModel::load(Arc::clone(&source), &LoadOptions::default())?;
-            let heads = match m.exit_heads {
-                Some(ExitHeadsKind::Tuned) => {
-                    let fp = switchyard_exits::fingerprint::fingerprint(&path)
-                        .map_err(|e| backend(&m.name, e))?;
-                    let file = switchyard_exits::file::default_heads_path(&path);
-                    switchyard_exits::file::load(&file, &model, &fp)
-                        .map_err(|e| backend(&m.name, e))?
-                }
-                _ => ExitHeads::logit_lens(&model, &m.name, &m.exit_layers)
-                    .map_err(|e| backend(&m.name, e))?,
-            };
-            heads
-                .require_row_wise("HELIOS")
+            let heads = switchyard_helios::shadow::candidate_heads(m, &path, &model)
                 .map_err(|e| backend(&m.name, e))?;
+            if shadow {
+                let scorer =
+                    ShadowScorer::open(m, &path, Arc::clone(&source), Arc::clone(&tokenizer))
+                        .map_err(|e| backend(&m.name, e))?;
+                scorers.push(scorer);
+            }
             let cfg = EngineConfig {
                 memory_budget: share,
                 ..EngineConfig::default()
@@ -109,7 +105,8 @@ impl HeliosModel {
             .map(|h| h.info().context_length)
             .min()
             .unwrap_or(0);
-        let orchestrator = Orchestrator::start(repo, policy, engines).map_err(helios_err)?;
+        let orchestrator =
+            Orchestrator::start_with_scorers(repo, policy, engines, scorers).map_err(helios_err)?;
         Ok(Self {
             name: section.name.clone(),
             orchestrator,
@@ -156,7 +153,7 @@ impl HeliosModel {
         };
         let mut params = req.params.clone();
         params.max_tokens = req.max_tokens.unwrap_or(self.context_length);
-        Ok(HeliosRequest { prompt, params })
+        Ok(HeliosRequest::new(prompt, params))
     }
 }
 

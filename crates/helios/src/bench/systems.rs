@@ -17,9 +17,10 @@ use super::{
 };
 use crate::orchestrator::{
     CandidateEngine, HeliosOutput, HeliosPrompt, HeliosRequest, HeliosStream, Orchestrator,
+    ShadowRound,
 };
 use crate::pht::Pht;
-use crate::policy::{Policy, PolicyConfig};
+use crate::policy::{Evaluation, Policy, PolicyConfig};
 use crate::{HeliosError, Result};
 
 /// Peaks of the memory stats over a run.
@@ -230,7 +231,7 @@ pub(super) fn run_helios(
     jobs: &[Job],
     opts: &HeliosBenchOptions,
     policy: &PolicyConfig,
-) -> Result<(SystemReport, Pht)> {
+) -> Result<(SystemReport, Pht, Vec<ShadowRound>)> {
     let share = opts.memory_budget / ctx.candidates.len().max(1) as u64;
     let cfg = EngineConfig {
         memory_budget: share,
@@ -256,11 +257,27 @@ pub(super) fn run_helios(
         });
     }
     let handles: Vec<EngineHandle> = engines.iter().map(|e| e.handle.clone()).collect();
+    let scorers = match policy.evaluation {
+        Evaluation::Shadow => ctx
+            .candidates
+            .iter()
+            .map(BenchCandidate::scorer)
+            .collect::<Result<Vec<_>>>()?,
+        Evaluation::Serial => Vec::new(),
+    };
+    let system = match policy.evaluation {
+        Evaluation::Shadow => "HELIOS shadow",
+        Evaluation::Serial => "HELIOS serial",
+    };
     let policy = Policy::new(policy.clone(), opts.slo.clone(), share)?;
-    let o = Orchestrator::start(ctx.repo.clone(), policy, engines)?;
+    let o = Orchestrator::start_with_scorers(ctx.repo.clone(), policy, engines, scorers)?;
     let result = drive_helios(&o, &handles, jobs);
     let stats = o.stats_blocking();
     o.shutdown_blocking();
+    let rounds = stats
+        .as_ref()
+        .map(|s| s.shadow_rounds.clone())
+        .unwrap_or_default();
     let ends = handles
         .iter()
         .map(|h| Ok(h.stats().wait()?))
@@ -268,8 +285,11 @@ pub(super) fn run_helios(
     for h in &handles {
         let _ = h.shutdown().wait();
     }
-    let (per_request, peaks) = result?;
+    let (per_request, mut peaks) = result?;
     let stats = stats?;
+    // The scorers live beside the engines: their peak counts on top of the engines' (an
+    // upper bound, since the two peaks need not coincide).
+    peaks.resident += stats.counters.shadow_peak_bytes;
     let ends = ends?;
     // The warm-up's batch of one is below any run's largest batch, so it does not count.
     let largest_batch = ends
@@ -283,7 +303,7 @@ pub(super) fn run_helios(
         })
     };
     let report = system_report(
-        "HELIOS",
+        system,
         per_request,
         &depths,
         Resources {
@@ -293,7 +313,7 @@ pub(super) fn run_helios(
             decisions: Some(Decisions::from(&stats.counters)),
         },
     );
-    Ok((report, stats.pht))
+    Ok((report, stats.pht, rounds))
 }
 
 /// Submits every job at once and reads every stream to its end.
@@ -310,6 +330,7 @@ fn drive_helios(
             o.submit(HeliosRequest {
                 prompt: HeliosPrompt::Text(j.text.clone()),
                 params: greedy(j.output_len),
+                reference: j.reference.clone(),
             })
         })
         .collect::<Result<Vec<HeliosStream>>>()?;

@@ -17,7 +17,7 @@ use tokio::sync::mpsc as tmpsc;
 use super::measure::BlockMeasure;
 use super::{
     CandidateEngine, Command, Counters, HeliosOutput, HeliosPrompt, HeliosRequest,
-    OrchestratorStats, ServingInfo,
+    OrchestratorStats, ServingInfo, ShadowRound, ShadowRoundScore,
 };
 use crate::manifest::Manifest;
 use crate::pht::{ExitHistogram, Pht};
@@ -26,7 +26,10 @@ use crate::policy::{
     Candidate, ConfidenceBreachCounter, Decision, DriftDetector, EvalPlan, Features, Policy,
     ProfileReason, Remedy, ReprofileClock, Serving,
 };
+use crate::policy::{Evaluation, SwitchGate};
+use crate::shadow::{ScoreSettings, ShadowScore, ShadowScorer, ShadowText, Throttle};
 use crate::{HeliosError, Result};
+use std::collections::BTreeMap;
 
 /// How long the thread waits for a command while requests stream (outputs are polled in
 /// between).
@@ -95,11 +98,83 @@ pub(super) struct State {
     draining: Vec<usize>,
     /// Mean output tokens per request in the last evaluation (the remedy horizon).
     tokens_per_request: f64,
+    /// Shadow evaluation's state (`None` under serial evaluation).
+    shadow: Option<Shadow>,
+}
+
+/// The orchestrator's side of shadow evaluation: prompts sampled for the next round, the
+/// scorer thread's channels, the hysteresis and the rounds so far.
+struct Shadow {
+    tx: mpsc::Sender<Vec<ShadowText>>,
+    rx: mpsc::Receiver<RoundResult>,
+    /// A round is being scored.
+    busy: bool,
+    pending: Vec<ShadowText>,
+    gate: SwitchGate,
+    rounds: Vec<ShadowRound>,
+}
+
+/// What the scorer thread sends back after a round.
+struct RoundResult {
+    scores: Result<Vec<ShadowScore>>,
+    texts: usize,
+    busy: Duration,
+    slept: Duration,
+    peak_bytes: usize,
+}
+
+/// The scorer thread: scores each round's texts with every candidate in turn, sharing one
+/// throttle so that their total stays within `share`.
+fn run_scorer(
+    mut scorers: Vec<ShadowScorer>,
+    settings: ScoreSettings,
+    share: f64,
+    rx: mpsc::Receiver<Vec<ShadowText>>,
+    tx: mpsc::Sender<RoundResult>,
+) {
+    let mut throttle = Throttle::new(share);
+    let fixed: usize = scorers.iter().map(ShadowScorer::resident_bytes).sum();
+    while let Ok(texts) = rx.recv() {
+        let before = throttle;
+        let mut peak = 0usize;
+        let scores: Result<Vec<ShadowScore>> = scorers
+            .iter_mut()
+            .map(|s| {
+                let out = s.score(&texts, &settings, &mut throttle)?;
+                peak = peak.max(out.peak_layer_bytes + out.peak_activation_bytes);
+                Ok(out)
+            })
+            .collect();
+        let result = RoundResult {
+            scores,
+            texts: texts.len(),
+            busy: throttle.busy - before.busy,
+            slept: throttle.slept - before.slept,
+            peak_bytes: fixed + peak,
+        };
+        if tx.send(result).is_err() {
+            return;
+        }
+    }
 }
 
 impl State {
-    pub(super) fn new(repo: Manifest, policy: Policy, given: Vec<CandidateEngine>) -> Result<Self> {
-        let selection = policy.select_candidates(&repo)?;
+    pub(super) fn new(
+        repo: Manifest,
+        policy: Policy,
+        given: Vec<CandidateEngine>,
+        scorers: Vec<ShadowScorer>,
+    ) -> Result<Self> {
+        let shadow_mode = policy.config.evaluation == Evaluation::Shadow;
+        // Shadow evaluation judges quality on the traffic, not on the profile text: the
+        // selection does not apply the bound to the offline bits per byte.
+        let selection = if shadow_mode {
+            let mut unbounded = policy.clone();
+            unbounded.slo.max_bits_per_byte_increase = None;
+            unbounded.select_candidates(&repo)?
+        } else {
+            policy.select_candidates(&repo)?
+        };
         let mut engines = Vec::new();
         let mut candidates = Vec::new();
         for c in selection.candidates {
@@ -138,8 +213,13 @@ impl State {
         for e in &engines {
             e.handle.drop_layers(1).wait()?;
         }
+        let shadow = if shadow_mode {
+            Some(start_scorer(&repo, &policy, &candidates, scorers)?)
+        } else {
+            None
+        };
         let cfg = &policy.config;
-        Ok(Self {
+        let mut state = Self {
             pht: Pht::new(cfg.threshold),
             clock: ReprofileClock::new(cfg.reprofile_interval),
             cbc: ConfidenceBreachCounter::new(cfg.cbc_window, cfg.cbc_max),
@@ -154,7 +234,37 @@ impl State {
             drift: None,
             draining: Vec::new(),
             tokens_per_request: 0.0,
-        })
+            shadow,
+        };
+        if state.shadow.is_some() {
+            state.serve_first()?;
+        }
+        Ok(state)
+    }
+
+    /// Shadow evaluation's first choice, from the repository's offline telemetry: loaded to
+    /// its depth and served from the first request.
+    fn serve_first(&mut self) -> Result<()> {
+        let cands: Vec<Candidate> = self.candidates.iter().map(|c| c.0.clone()).collect();
+        let p = self
+            .policy
+            .choose_shadow(&self.repo, &cands, &BTreeMap::new())?;
+        let engine = self
+            .engine_index(&p.model)
+            .ok_or_else(|| HeliosError::Orchestrator(format!("{} has no engine", p.model)))?;
+        let t = Instant::now();
+        self.engines[engine]
+            .handle
+            .load_layers(p.depth, true)
+            .wait()?;
+        let serving = Serving {
+            model: p.model.clone(),
+            depth: p.depth,
+        };
+        tracing::info!(model = %serving.model, depth = p.depth, "HELIOS shadow: first choice from offline telemetry");
+        self.counters.profile_seconds += t.elapsed().as_secs_f64();
+        self.serve(serving, engine);
+        Ok(())
     }
 
     pub(super) fn candidate_names(&self) -> Vec<String> {
@@ -181,11 +291,26 @@ impl State {
             candidates: self.candidate_names(),
             counters: self.counters.clone(),
             pht: self.pht.clone(),
+            shadow_rounds: self
+                .shadow
+                .as_ref()
+                .map(|s| s.rounds.clone())
+                .unwrap_or_default(),
         }
     }
 
     fn submit(&mut self, q: Queued) {
         self.counters.requests += 1;
+        if let Some(sh) = self.shadow.as_mut() {
+            let every = self.policy.config.shadow.sample_every as u64;
+            if (self.counters.requests - 1).is_multiple_of(every) {
+                sh.pending.push(ShadowText {
+                    prompt: q.request.prompt.scored_text(),
+                    reference: q.request.reference.clone(),
+                });
+            }
+            self.send_round();
+        }
         if matches!(self.phase, Phase::Idle) {
             self.start_eval(ProfileReason::Initial);
         }
@@ -321,6 +446,11 @@ impl State {
         let Phase::Serving { serving, engine } = &self.phase else {
             return;
         };
+        // Shadow evaluation decides on scores of the traffic, not on the serving model's
+        // confidence in its own output.
+        if self.shadow.is_some() {
+            return;
+        }
         if a.engine != *engine || o.depth != serving.depth {
             return;
         }
@@ -353,6 +483,9 @@ impl State {
         match a.block {
             Some(b) => self.block_request_done(b),
             None => {
+                if self.shadow.is_some() {
+                    return;
+                }
                 if self.clock.on_request_done() && matches!(self.phase, Phase::Serving { .. }) {
                     self.decide(false, None);
                 }
@@ -640,6 +773,136 @@ impl State {
         }
     }
 
+    /// Sends the sampled prompts to the scorer when a round's worth is ready and the scorer
+    /// is free.
+    fn send_round(&mut self) {
+        let window = self.policy.config.shadow.window;
+        let Some(sh) = self.shadow.as_mut() else {
+            return;
+        };
+        if sh.busy || sh.pending.len() < window {
+            return;
+        }
+        let texts: Vec<ShadowText> = sh.pending.drain(..window).collect();
+        if sh.tx.send(texts).is_ok() {
+            sh.busy = true;
+        }
+    }
+
+    /// Takes a finished round, if any: counts it, and switches when the hysteresis lets the
+    /// round's choice through. `true` when a round was taken.
+    fn poll_shadow(&mut self) -> bool {
+        let Some(sh) = self.shadow.as_mut() else {
+            return false;
+        };
+        let r = match sh.rx.try_recv() {
+            Ok(r) => r,
+            Err(_) => return false,
+        };
+        sh.busy = false;
+        let c = &mut self.counters;
+        c.shadow_busy_seconds += r.busy.as_secs_f64();
+        c.shadow_slept_seconds += r.slept.as_secs_f64();
+        let total = c.shadow_busy_seconds + c.shadow_slept_seconds;
+        c.shadow_share_used = if total > 0.0 {
+            c.shadow_busy_seconds / total
+        } else {
+            0.0
+        };
+        c.shadow_peak_bytes = c.shadow_peak_bytes.max(r.peak_bytes as u64);
+        let scores = match r.scores {
+            Ok(s) => s,
+            Err(err) => {
+                c.shadow_errors += 1;
+                tracing::error!(error = %err, "HELIOS shadow round failed");
+                self.send_round();
+                return true;
+            }
+        };
+        c.shadow_rounds += 1;
+        c.shadow_texts += r.texts as u64;
+        let by_model: BTreeMap<String, ShadowScore> =
+            scores.into_iter().map(|s| (s.model.clone(), s)).collect();
+        let Phase::Serving { serving, .. } = &self.phase else {
+            self.send_round();
+            return true;
+        };
+        let current = serving.clone();
+        let cands: Vec<Candidate> = self.candidates.iter().map(|c| c.0.clone()).collect();
+        let best = match self.policy.choose_shadow(&self.repo, &cands, &by_model) {
+            Ok(p) => Some(Serving {
+                model: p.model,
+                depth: p.depth,
+            }),
+            Err(err) => {
+                tracing::warn!(error = %err, "HELIOS shadow round: no candidate fits");
+                None
+            }
+        };
+        let mut switched = false;
+        if let Some(b) = &best {
+            let sh = self.shadow.as_mut().expect("shadow state checked above");
+            if sh.gate.propose(&current, b) {
+                switched = self.move_to(b.clone());
+            }
+        }
+        let round = ShadowRound {
+            at_request: self.counters.requests,
+            serving: ServingInfo::from(&current),
+            best: best.as_ref().map(ServingInfo::from),
+            switched,
+            scores: by_model.values().map(round_score).collect(),
+        };
+        tracing::info!(
+            serving = %current.model,
+            depth = current.depth,
+            best = ?round.best,
+            switched,
+            "HELIOS shadow round"
+        );
+        if let Some(sh) = self.shadow.as_mut() {
+            sh.rounds.push(round);
+        }
+        self.send_round();
+        true
+    }
+
+    /// Serves `target` from now on: another depth of the serving model (loading or dropping
+    /// layers), or another model (the old one drains). `true` when it happened.
+    fn move_to(&mut self, target: Serving) -> bool {
+        let Phase::Serving { serving, engine } = &self.phase else {
+            return false;
+        };
+        let (from, engine) = (serving.clone(), *engine);
+        let t = Instant::now();
+        if target.model == from.model {
+            let eng = &self.engines[engine];
+            let done = if target.depth > from.depth {
+                eng.handle.load_layers(target.depth, true).wait().map(drop)
+            } else {
+                eng.handle.drop_layers(target.depth).wait().map(drop)
+            };
+            if let Err(err) = done {
+                tracing::error!(model = %eng.name, depth = target.depth, error = %err, "depth change failed");
+                return false;
+            }
+            self.counters.extends += u64::from(target.depth > from.depth);
+            self.counters.extend_seconds += t.elapsed().as_secs_f64();
+            tracing::info!(model = %eng.name, from = from.depth, to = target.depth, "HELIOS shadow: depth change");
+            self.serve(target, engine);
+            return true;
+        }
+        // Measured, not estimated: the switch's load time is counted as it happens.
+        let cost_ms = 0.0;
+        self.remedy(Remedy::Switch {
+            from: from.model.clone(),
+            to: target.model.clone(),
+            depth: target.depth,
+            cost_ms,
+        });
+        matches!(&self.phase, Phase::Serving { serving, .. } if *serving == target)
+    }
+
     /// Drops the layers of drained engines whose last sequence ended.
     fn release_drained(&mut self) {
         let (serving, evaluating) = match &self.phase {
@@ -697,7 +960,7 @@ pub(super) fn run(mut s: State, rx: mpsc::Receiver<Command>) {
             }
             std::thread::sleep(POLL);
             None
-        } else if s.active.is_empty() {
+        } else if s.active.is_empty() && !s.shadow.as_ref().is_some_and(|sh| sh.busy) {
             match rx.recv() {
                 Ok(c) => Some(c),
                 Err(_) => break,
@@ -728,6 +991,68 @@ pub(super) fn run(mut s: State, rx: mpsc::Receiver<Command>) {
             }
             next = if connected { rx.try_recv().ok() } else { None };
         }
-        while s.poll() {}
+        while s.poll() | s.poll_shadow() {}
+    }
+}
+
+/// Starts the scorer thread over `scorers`, which must cover every local selected candidate.
+fn start_scorer(
+    repo: &Manifest,
+    policy: &Policy,
+    candidates: &[(Candidate, usize)],
+    scorers: Vec<ShadowScorer>,
+) -> Result<Shadow> {
+    let mut kept = Vec::new();
+    let mut scorers = scorers;
+    for (c, _) in candidates {
+        let remote = repo.get(c.model()).is_some_and(|m| m.is_remote());
+        if remote {
+            continue;
+        }
+        let Some(i) = scorers.iter().position(|s| s.name() == c.model()) else {
+            return Err(HeliosError::Orchestrator(format!(
+                "shadow evaluation needs a scorer for {} (or set evaluation = \"serial\")",
+                c.model()
+            )));
+        };
+        kept.push(scorers.swap_remove(i));
+    }
+    let cfg = &policy.config;
+    let settings = ScoreSettings {
+        threshold: cfg.threshold,
+        measure: switchyard_exits::ConfidenceMeasure::MaxProb,
+        max_text_bytes: cfg.shadow.max_text_bytes,
+    };
+    let (tx, worker_rx) = mpsc::channel();
+    let (worker_tx, rx) = mpsc::channel();
+    let share = cfg.shadow.share;
+    std::thread::Builder::new()
+        .name("switchyard-helios-shadow".into())
+        .spawn(move || run_scorer(kept, settings, share, worker_rx, worker_tx))
+        .map_err(|e| HeliosError::Orchestrator(format!("cannot start the scorer thread: {e}")))?;
+    Ok(Shadow {
+        tx,
+        rx,
+        busy: false,
+        pending: Vec::new(),
+        gate: SwitchGate::new(cfg.shadow.switch_after),
+        rounds: Vec::new(),
+    })
+}
+
+fn round_score(s: &ShadowScore) -> ShadowRoundScore {
+    let bpb = |n: &crate::shadow::DepthNats| -> Vec<(usize, f64)> {
+        n.nats
+            .iter()
+            .filter_map(|&(d, _)| n.bits_per_byte(d).map(|b| (d, b)))
+            .collect()
+    };
+    ShadowRoundScore {
+        model: s.model.clone(),
+        prompt_bytes: s.prompt.bytes,
+        prompt_bits_per_byte: bpb(&s.prompt),
+        reference_bytes: s.reference.bytes,
+        reference_bits_per_byte: bpb(&s.reference),
+        prefill_tokens_per_s: s.prefill_tokens_per_s,
     }
 }

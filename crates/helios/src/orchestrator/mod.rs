@@ -47,6 +47,7 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 use crate::manifest::Manifest;
 use crate::pht::Pht;
 use crate::policy::{Policy, Serving};
+use crate::shadow::ShadowScorer;
 use crate::{HeliosError, Result};
 
 /// One candidate's engine. Its exit head must cover the repository entry's exit layers, and
@@ -64,6 +65,34 @@ pub struct HeliosRequest {
     pub prompt: HeliosPrompt,
     /// `max_tokens` is capped to the room the serving model's context leaves.
     pub params: SamplingParams,
+    /// The answer that followed this prompt, where the caller has one (a trace's next turn):
+    /// shadow scoring scores it after the prompt and reports it apart. Never used to choose.
+    pub reference: Option<String>,
+}
+
+impl HeliosRequest {
+    pub fn new(prompt: HeliosPrompt, params: SamplingParams) -> Self {
+        Self {
+            prompt,
+            params,
+            reference: None,
+        }
+    }
+}
+
+impl HeliosPrompt {
+    /// The text shadow scoring reads: the prompt, or the chat's message contents one per
+    /// line (no template: every candidate scores the same bytes).
+    pub fn scored_text(&self) -> String {
+        match self {
+            Self::Text(t) => t.clone(),
+            Self::Chat(messages) => messages
+                .iter()
+                .map(|m| m.content.as_str())
+                .collect::<Vec<_>>()
+                .join("\n"),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -180,6 +209,43 @@ pub struct Counters {
     pub tokens_breached: u64,
     pub requests: u64,
     pub evaluation_requests: u64,
+    /// Shadow evaluation: scoring rounds finished, prompts scored per candidate, the
+    /// scorer's compute and sleep, and the share of time it computed.
+    pub shadow_rounds: u64,
+    pub shadow_texts: u64,
+    pub shadow_busy_seconds: f64,
+    pub shadow_slept_seconds: f64,
+    pub shadow_share_used: f64,
+    /// Rounds that failed (logged; serving goes on).
+    pub shadow_errors: u64,
+    /// The most bytes the scorers held at once: every scorer's embedding, norm, head and exit
+    /// heads, plus the largest one layer and batch of activations.
+    pub shadow_peak_bytes: u64,
+}
+
+/// One shadow scoring round and what it decided.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ShadowRound {
+    /// Requests submitted when the round's result arrived.
+    pub at_request: u64,
+    pub serving: ServingInfo,
+    /// The round's best choice (`None` when none fits).
+    pub best: Option<ServingInfo>,
+    pub switched: bool,
+    /// Per candidate: prompt bits per byte at each scored depth, and of the references.
+    pub scores: Vec<ShadowRoundScore>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ShadowRoundScore {
+    pub model: String,
+    pub prompt_bytes: u64,
+    /// `(depth, bits per byte)` of the prompts.
+    pub prompt_bits_per_byte: Vec<(usize, f64)>,
+    pub reference_bytes: u64,
+    /// `(depth, bits per byte)` of the references (empty without references).
+    pub reference_bits_per_byte: Vec<(usize, f64)>,
+    pub prefill_tokens_per_s: f64,
 }
 
 /// What the orchestrator is doing.
@@ -192,6 +258,8 @@ pub struct OrchestratorStats {
     pub candidates: Vec<String>,
     pub counters: Counters,
     pub pht: Pht,
+    /// Shadow evaluation's rounds, in order.
+    pub shadow_rounds: Vec<ShadowRound>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -234,7 +302,19 @@ impl Orchestrator {
     /// without an engine is skipped), drops every engine to one layer and starts the actor.
     /// The first request starts the first online evaluation.
     pub fn start(repo: Manifest, policy: Policy, engines: Vec<CandidateEngine>) -> Result<Self> {
-        let state = actor::State::new(repo, policy, engines)?;
+        Self::start_with_scorers(repo, policy, engines, Vec::new())
+    }
+
+    /// [`Orchestrator::start`] with the local candidates' shadow scorers, which shadow
+    /// evaluation needs (one per local candidate; remote candidates cannot be scored and are
+    /// left out of its choice once scores exist).
+    pub fn start_with_scorers(
+        repo: Manifest,
+        policy: Policy,
+        engines: Vec<CandidateEngine>,
+        scorers: Vec<ShadowScorer>,
+    ) -> Result<Self> {
+        let state = actor::State::new(repo, policy, engines, scorers)?;
         let candidates: Arc<[String]> = state.candidate_names().into();
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()

@@ -9,7 +9,9 @@
 //! * [`remedy`]: extend or switch when the counter fires;
 //! * [`reprofile`]: re-profiling every RI requests, and the drift detector that re-profiles
 //!   early;
-//! * [`estimate`]: a (model, depth) operating point from the PHT and the repository.
+//! * [`estimate`]: a (model, depth) operating point from the PHT and the repository;
+//! * [`shadow`]: shadow evaluation's choice on every candidate's scores of the same traffic,
+//!   the depth from the quality bound, and the hysteresis before a switch.
 //!
 //! [`Policy::decide`] composes the rules for one decision point.
 
@@ -20,6 +22,7 @@ pub mod eval_plan;
 pub mod remedy;
 pub mod reprofile;
 pub mod select;
+pub mod shadow;
 
 use serde::{Deserialize, Serialize};
 
@@ -32,6 +35,7 @@ pub use eval_plan::EvalPlan;
 pub use remedy::{Remedy, RemedyMode};
 pub use reprofile::{Drift, DriftDetector, ReprofileClock};
 pub use select::{Candidate, Selection};
+pub use shadow::{DepthRule, Evaluation, ShadowConfig, SwitchGate};
 
 /// Candidates kept for online evaluation (HELIOS default: K = 3).
 pub const DEFAULT_TOP_K: usize = 3;
@@ -124,6 +128,11 @@ pub struct PolicyConfig {
     pub min_kv_tokens: usize,
     pub remedy: RemedyMode,
     pub drift: reprofile::DriftConfig,
+    /// Shadow (ours, the default) or serial (HELIOS's) online evaluation.
+    pub evaluation: Evaluation,
+    /// How the partial-load depth is chosen (ours: the quality bound; HELIOS: coverage).
+    pub depth_rule: DepthRule,
+    pub shadow: ShadowConfig,
 }
 
 impl Default for PolicyConfig {
@@ -139,6 +148,9 @@ impl Default for PolicyConfig {
             min_kv_tokens: DEFAULT_MIN_KV_TOKENS,
             remedy: RemedyMode::Dynamic,
             drift: reprofile::DriftConfig::default(),
+            evaluation: Evaluation::default(),
+            depth_rule: DepthRule::default(),
+            shadow: ShadowConfig::default(),
         }
     }
 }
@@ -173,6 +185,7 @@ impl PolicyConfig {
                 self.threshold
             ));
         }
+        self.shadow.validate()?;
         self.drift.validate()
     }
 }

@@ -14,7 +14,7 @@ use crate::{HeliosError, Result};
 
 use super::depth::coverage_depth;
 use super::estimate::{self, compare, Limits, OperatingPoint};
-use super::Policy;
+use super::{DepthRule, Policy};
 
 /// A model kept for online evaluation, with the operating point it was ranked at.
 #[derive(Debug, Clone, PartialEq)]
@@ -134,7 +134,9 @@ impl Policy {
             })
     }
 
-    /// The depth `hist` covers, or the first deeper servable depth within `limits`.
+    /// The first servable depth within `limits` from where the depth rule starts: the depth
+    /// `hist` covers (coverage), the shallowest depth when the SLO bounds bits per byte, full
+    /// depth when it does not.
     pub(crate) fn operating_point(
         &self,
         m: &ModelEntry,
@@ -143,9 +145,14 @@ impl Policy {
         point_at: impl Fn(usize) -> Option<OperatingPoint>,
     ) -> std::result::Result<OperatingPoint, String> {
         let servable: Vec<usize> = m.servable_depths().collect();
-        let start = match hist {
-            Some(h) => coverage_depth(h, &servable, self.config.exit_coverage),
-            None => m.layers,
+        let start = match (self.config.depth_rule, self.slo.max_bits_per_byte_increase) {
+            (DepthRule::Coverage, _) => match hist {
+                Some(h) => coverage_depth(h, &servable, self.config.exit_coverage),
+                None => m.layers,
+            },
+            // The shallowest depth the limits (the bound among them) accept.
+            (DepthRule::QualityBound, Some(_)) => servable.first().copied().unwrap_or(m.layers),
+            (DepthRule::QualityBound, None) => m.layers,
         };
         let mut why = format!("no telemetry at depth {start} or deeper");
         for d in servable.into_iter().filter(|&d| d >= start) {

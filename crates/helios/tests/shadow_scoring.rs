@@ -1,0 +1,186 @@
+//! Shadow scoring on SmolLM2-135M with logit-lens exits at layers 10 and 20:
+//!
+//! * at full depth it gives the bits per byte `switchyard eval ppl` gives on the same text
+//!   (within 1e-3);
+//! * streaming the layers holds one layer at a time (byte counts) and gives the same nats,
+//!   at every depth, as the resident model run layer after layer;
+//! * a reference answer is scored after its prompt without changing the prompt's score, and
+//!   a batch of texts scores each text as it scores alone.
+
+use std::sync::Arc;
+
+use switchyard_engine::{score_text, ScoreOptions};
+use switchyard_exits::confidence::ConfidenceMeasure;
+use switchyard_exits::ExitHeads;
+use switchyard_helios::shadow::{ScoreSettings, ShadowScorer, ShadowText, Throttle};
+use switchyard_models::{DenseKv, ForwardBatch, LayeredModel, LoadOptions};
+use switchyard_tokenizer::Tokenizer;
+
+const SMOL: &str = "smollm2-135m-instruct";
+const EXITS: &[usize] = &[10, 20];
+const PROSE: &str = "The old harbour town woke slowly. Fishing boats knocked against the \
+pier while gulls argued over the night's catch, and the baker on the corner pulled the first \
+loaves from an oven that had been burning since four. Nobody in the town remembered a morning \
+that had started any other way.\n";
+const CODE: &str = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    \
+a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n";
+const ANSWER: &str = "It sounds like a quiet place to live.";
+
+fn settings() -> ScoreSettings {
+    ScoreSettings {
+        threshold: 0.8,
+        measure: ConfidenceMeasure::MaxProb,
+        max_text_bytes: 4096,
+    }
+}
+
+fn text(prompt: &str, reference: Option<&str>) -> ShadowText {
+    ShadowText {
+        prompt: prompt.into(),
+        reference: reference.map(str::to_string),
+    }
+}
+
+struct Smol {
+    src: Arc<dyn switchyard_weights::WeightSource>,
+    tok: Arc<Tokenizer>,
+}
+
+fn smol() -> Smol {
+    let path = switchyard_zoo::ensure(SMOL).expect("zoo model");
+    let src = switchyard_weights::open(&path).expect("open");
+    let tok = Arc::new(Tokenizer::from_source(&*src).expect("tokenizer"));
+    Smol { src, tok }
+}
+
+fn scorer(m: &Smol) -> ShadowScorer {
+    let model = LayeredModel::load(
+        Arc::clone(&m.src),
+        &LoadOptions {
+            layers: Some(0),
+            ..LoadOptions::default()
+        },
+    )
+    .expect("load");
+    let heads = ExitHeads::logit_lens(&model, SMOL, EXITS).expect("heads");
+    ShadowScorer::new(SMOL, model, Arc::clone(&m.tok), heads).expect("scorer")
+}
+
+/// Σ -ln p of `text`'s tokens at each of `depths`, from the resident model run layer by layer.
+fn resident_nats(model: &LayeredModel, tok: &Tokenizer, text: &str, depths: &[usize]) -> Vec<f64> {
+    let heads = ExitHeads::logit_lens(model, SMOL, EXITS).expect("heads");
+    let ids = tok.encode(text, true, false).expect("encode");
+    let inputs = &ids[..ids.len() - 1];
+    let mut kv = DenseKv::new(model.n_layers(), model.spec().kv_row_len());
+    let mut h = model.embed(inputs).expect("embed");
+    let mut done = 0;
+    let mut out = Vec::new();
+    for &d in depths {
+        let mut batch = ForwardBatch::single(&mut kv, 0, inputs.len());
+        h = model
+            .forward_layers(h, done..d, &mut batch)
+            .expect("forward");
+        done = d;
+        let logits: Vec<Vec<f32>> = heads
+            .logits(model, d, &h)
+            .expect("logits")
+            .to_vec2()
+            .expect("rows");
+        let nats: f64 = logits
+            .iter()
+            .zip(&ids[1..])
+            .map(|(row, &t)| switchyard_exits::confidence::nll(row, t))
+            .sum();
+        out.push(nats);
+    }
+    out
+}
+
+#[test]
+fn shadow_scores_equal_eval_ppl_and_the_resident_model() {
+    let m = smol();
+    let mut s = scorer(&m);
+    assert_eq!(s.depths(), &[10, 20, 30]);
+    let mut throttle = Throttle::new(1.0);
+    let alone = s
+        .score(&[text(PROSE, None)], &settings(), &mut throttle)
+        .expect("score");
+
+    // Full depth: the number `switchyard eval ppl` prints for the same text.
+    let full = LayeredModel::load(Arc::clone(&m.src), &LoadOptions::default()).expect("load");
+    let ppl = score_text(&full, &m.tok, PROSE, ScoreOptions::default(), |_, _| {}).expect("ppl");
+    let bpb = alone.prompt.bits_per_byte(30).expect("full depth");
+    assert_eq!(alone.prompt.bytes, ppl.bytes_scored as u64);
+    assert!(
+        (bpb - ppl.bits_per_byte).abs() < 1e-3,
+        "shadow {bpb} vs eval ppl {}",
+        ppl.bits_per_byte
+    );
+
+    // Every depth: the resident model's nats, the layers streamed one at a time.
+    let want = resident_nats(&full, &m.tok, PROSE, &[10, 20, 30]);
+    for (&(d, got), w) in alone.prompt.nats.iter().zip(&want) {
+        assert!(
+            (got - w).abs() <= 1e-6 * w.abs().max(1.0),
+            "depth {d}: streamed {got} vs resident {w}"
+        );
+    }
+    assert!(
+        alone.prompt.bits_per_byte(10) > alone.prompt.bits_per_byte(30),
+        "an early exit scores worse than full depth"
+    );
+    assert_eq!(alone.peak_layers_resident, 1, "one layer at a time");
+    let largest = (0..30).map(|l| full.layer_bytes(l)).max().expect("layers");
+    assert_eq!(alone.peak_layer_bytes, largest);
+    assert!(alone.peak_activation_bytes > 0);
+    assert_eq!(alone.exits.total(), alone.prompt.tokens);
+    assert!(
+        alone.busy_s > 0.0 && alone.prefill_tokens_per_s > 0.0,
+        "{alone:?}"
+    );
+
+    // A batch of texts, one with a reference: each prompt scores as it does alone.
+    let batch = s
+        .score(
+            &[text(CODE, None), text(PROSE, Some(ANSWER))],
+            &settings(),
+            &mut throttle,
+        )
+        .expect("batch");
+    let code = s
+        .score(&[text(CODE, None)], &settings(), &mut throttle)
+        .expect("code");
+    for i in 0..3 {
+        let sum = code.prompt.nats[i].1 + alone.prompt.nats[i].1;
+        let got = batch.prompt.nats[i].1;
+        assert!(
+            (got - sum).abs() <= 1e-6 * sum,
+            "depth {}: batch {got} vs alone {sum}",
+            batch.prompt.nats[i].0
+        );
+    }
+    assert_eq!(batch.prompt.bytes, code.prompt.bytes + alone.prompt.bytes);
+    assert_eq!(batch.reference.bytes, ANSWER.len() as u64);
+    let ref_bpb = batch.reference.bits_per_byte(30).expect("reference");
+    assert!(ref_bpb > 0.0 && ref_bpb.is_finite(), "{ref_bpb}");
+    assert_eq!(code.reference.bits_per_byte(30), None, "no reference given");
+    assert_eq!(s.depths(), &[10, 20, 30]);
+}
+
+#[test]
+fn the_throttle_sleeps_its_share() {
+    let m = smol();
+    let mut s = scorer(&m);
+    let mut throttle = Throttle::new(0.5);
+    let r = s
+        .score(&[text(PROSE, None)], &settings(), &mut throttle)
+        .expect("score");
+    // Half the time sleeping: the wall time is at least twice the compute.
+    assert!((throttle.share_used() - 0.5).abs() < 1e-9);
+    assert!(
+        r.wall_s >= 2.0 * r.busy_s * 0.99,
+        "{} vs {}",
+        r.wall_s,
+        r.busy_s
+    );
+}
