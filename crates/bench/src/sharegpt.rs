@@ -284,9 +284,96 @@ pub fn sample_requests(path: &Path, tokenizer: &Tokenizer, opts: &SampleOptions)
     })
 }
 
+/// What a prompt is about, for traces that change domain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptKind {
+    /// English prose with no code in it.
+    Prose,
+    /// A prompt carrying code: a fenced block, or at least three lines that read as code.
+    Code,
+}
+
+/// A line that reads as code in the common languages of ShareGPT's programming questions.
+fn code_line(line: &str) -> bool {
+    let t = line.trim();
+    const STARTS: &[&str] = &[
+        "def ", "import ", "from ", "#include", "function ", "public ", "private ", "class ",
+        "return ", "const ", "let ", "var ", "for (", "if (", "while (", "print(", "console.",
+        "SELECT ", "<div", "fn ", "package ", "using ", "@",
+    ];
+    STARTS.iter().any(|s| t.starts_with(s))
+        || (t.len() > 1 && (t.ends_with(';') || t.ends_with('{') || t == "}" || t == "};"))
+}
+
+/// The kind of `prompt`, or `None` when it is neither clean prose (mostly ASCII, no code
+/// line, no code or markup marks, no programming topic) nor code.
+pub fn prompt_kind(prompt: &str) -> Option<PromptKind> {
+    let code_lines = prompt.lines().filter(|l| code_line(l)).count();
+    if prompt.contains("```") || code_lines >= 3 {
+        return Some(PromptKind::Code);
+    }
+    let ascii = prompt.bytes().filter(u8::is_ascii).count();
+    // Prose has none of the marks of code, markup or formulas, and names no programming
+    // topic (technical questions read as code to a small model even without a code line).
+    const MARKS: &[char] = &['`', '\\', '_', '{', '}', '[', ']', '<', '>', '$', '=', '#', '|'];
+    const TOPICS: &[&str] = &[
+        "code", "python", "javascript", "java", "typescript", "function", "sql", "query",
+        "array", "api", "html", "css", "json", "regex", "linux", "server", "database", "script",
+        "program", "compile", "variable", "class", "npm", "aws", "latex", "excel", "formula",
+    ];
+    let lower = prompt.to_lowercase();
+    let topical = lower
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .any(|w| TOPICS.contains(&w));
+    let clean = code_lines == 0 && !prompt.contains(MARKS) && !prompt.contains("()") && !topical;
+    (clean && ascii * 100 >= prompt.len() * 98).then_some(PromptKind::Prose)
+}
+
+/// The first `n` first exchanges of `kind` whose prompt has `min_bytes..=max_bytes` bytes,
+/// in the file's order after a seeded shuffle (as [`sample_requests`] shuffles).
+pub fn exchanges_of_kind(
+    path: &Path,
+    kind: PromptKind,
+    n: usize,
+    bytes: std::ops::RangeInclusive<usize>,
+    seed: u64,
+) -> Result<Vec<(String, String)>> {
+    let mut pairs: Vec<(String, String)> = Vec::new();
+    for r in records(path)? {
+        let c = r?;
+        if let Some((p, a)) = c.first_exchange() {
+            if bytes.contains(&p.len()) && !a.is_empty() && prompt_kind(p) == Some(kind) {
+                pairs.push((p.to_string(), a.to_string()));
+            }
+        }
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    pairs.shuffle(&mut rng);
+    pairs.truncate(n);
+    Ok(pairs)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prompts_are_told_apart_as_prose_or_code() {
+        assert_eq!(
+            prompt_kind("Write a short poem about the sea at night."),
+            Some(PromptKind::Prose)
+        );
+        assert_eq!(
+            prompt_kind("Fix this:\n```\nx = 1\n```"),
+            Some(PromptKind::Code)
+        );
+        let js = "why does this fail?\nconst a = 1;\nlet b = a + 1;\nconsole.log(b)";
+        assert_eq!(prompt_kind(js), Some(PromptKind::Code));
+        assert_eq!(prompt_kind("one line;\nthen words"), None, "one code line");
+        assert_eq!(prompt_kind("기계 학습이란 무엇인가요?"), None, "not English");
+        assert_eq!(prompt_kind("write a function in C"), None, "a programming topic");
+        assert_eq!(prompt_kind("a table \\begin{tabular}"), None, "markup");
+    }
 
     fn read(text: &str) -> (Vec<Conversation>, bool, Option<String>) {
         let mut r = Records::new(text.as_bytes());
