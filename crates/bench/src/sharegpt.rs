@@ -297,9 +297,29 @@ pub enum PromptKind {
 fn code_line(line: &str) -> bool {
     let t = line.trim();
     const STARTS: &[&str] = &[
-        "def ", "import ", "from ", "#include", "function ", "public ", "private ", "class ",
-        "return ", "const ", "let ", "var ", "for (", "if (", "while (", "print(", "console.",
-        "SELECT ", "<div", "fn ", "package ", "using ", "@",
+        "def ",
+        "import ",
+        "from ",
+        "#include",
+        "function ",
+        "public ",
+        "private ",
+        "class ",
+        "return ",
+        "const ",
+        "let ",
+        "var ",
+        "for (",
+        "if (",
+        "while (",
+        "print(",
+        "console.",
+        "SELECT ",
+        "<div",
+        "fn ",
+        "package ",
+        "using ",
+        "@",
     ];
     STARTS.iter().any(|s| t.starts_with(s))
         || (t.len() > 1 && (t.ends_with(';') || t.ends_with('{') || t == "}" || t == "};"))
@@ -315,11 +335,37 @@ pub fn prompt_kind(prompt: &str) -> Option<PromptKind> {
     let ascii = prompt.bytes().filter(u8::is_ascii).count();
     // Prose has none of the marks of code, markup or formulas, and names no programming
     // topic (technical questions read as code to a small model even without a code line).
-    const MARKS: &[char] = &['`', '\\', '_', '{', '}', '[', ']', '<', '>', '$', '=', '#', '|'];
+    const MARKS: &[char] = &[
+        '`', '\\', '_', '{', '}', '[', ']', '<', '>', '$', '=', '#', '|',
+    ];
     const TOPICS: &[&str] = &[
-        "code", "python", "javascript", "java", "typescript", "function", "sql", "query",
-        "array", "api", "html", "css", "json", "regex", "linux", "server", "database", "script",
-        "program", "compile", "variable", "class", "npm", "aws", "latex", "excel", "formula",
+        "code",
+        "python",
+        "javascript",
+        "java",
+        "typescript",
+        "function",
+        "sql",
+        "query",
+        "array",
+        "api",
+        "html",
+        "css",
+        "json",
+        "regex",
+        "linux",
+        "server",
+        "database",
+        "script",
+        "program",
+        "compile",
+        "variable",
+        "class",
+        "npm",
+        "aws",
+        "latex",
+        "excel",
+        "formula",
     ];
     let lower = prompt.to_lowercase();
     let topical = lower
@@ -370,8 +416,16 @@ mod tests {
         let js = "why does this fail?\nconst a = 1;\nlet b = a + 1;\nconsole.log(b)";
         assert_eq!(prompt_kind(js), Some(PromptKind::Code));
         assert_eq!(prompt_kind("one line;\nthen words"), None, "one code line");
-        assert_eq!(prompt_kind("기계 학습이란 무엇인가요?"), None, "not English");
-        assert_eq!(prompt_kind("write a function in C"), None, "a programming topic");
+        assert_eq!(
+            prompt_kind("기계 학습이란 무엇인가요?"),
+            None,
+            "not English"
+        );
+        assert_eq!(
+            prompt_kind("write a function in C"),
+            None,
+            "a programming topic"
+        );
         assert_eq!(prompt_kind("a table \\begin{tabular}"), None, "markup");
     }
 

@@ -5,9 +5,10 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use switchyard_bench::sharegpt::{sample_requests, SampleOptions, DEFAULT_SEED};
+use switchyard_bench::sharegpt::{sample_requests, Sample, SampleOptions, DEFAULT_SEED};
 use switchyard_engine::kv::parse_bytes;
 use switchyard_engine::{EngineConfig, DEFAULT_MEMORY_BUDGET};
+use switchyard_helios::bench::drift::{run_drift, DriftOptions};
 use switchyard_helios::bench::{
     best_single_model, entry_without_telemetry, run_bench_helios, BenchCandidate,
     HeliosBenchContext, HeliosBenchOptions, HeliosBenchReport, SystemReport, DEFAULT_NUM_PROMPTS,
@@ -34,6 +35,17 @@ pub struct BenchHeliosArgs {
     /// A ShareGPT JSON file, or the zoo dataset's name.
     #[arg(long, default_value = "sharegpt")]
     dataset: String,
+    /// The trace: stationary (ShareGPT prompts, all at once, vanilla and EE-LLM beside
+    /// HELIOS) or drift (prose, code, prose with Poisson arrivals, every candidate alone
+    /// beside HELIOS and the hindsight oracle).
+    #[arg(long, default_value = "stationary", value_parser = ["stationary", "drift"])]
+    trace: String,
+    /// Drift trace: requests per phase.
+    #[arg(long, default_value_t = switchyard_helios::bench::drift::DEFAULT_PER_PHASE)]
+    per_phase: usize,
+    /// Drift trace: requests per second of the Poisson arrivals.
+    #[arg(long, default_value_t = 0.5)]
+    request_rate: f64,
     #[arg(long, default_value_t = DEFAULT_NUM_PROMPTS)]
     num_prompts: usize,
     /// Seed of the dataset shuffle.
@@ -159,6 +171,9 @@ pub fn run(a: BenchHeliosArgs, threads: usize) -> anyhow::Result<()> {
         .iter()
         .find(|c| c.entry.name == vanilla)
         .ok_or_else(|| anyhow::anyhow!("{vanilla} is not a local model"))?;
+    if a.trace == "drift" {
+        return run_drift_trace(&a, &repo, &candidates, budget, slo, threads);
+    }
     let data = resolve_text(&a.dataset)?;
     eprintln!(
         "sampling {} prompts from {} with {}'s tokenizer",
@@ -174,7 +189,80 @@ pub fn run(a: BenchHeliosArgs, threads: usize) -> anyhow::Result<()> {
             seed: a.seed,
         },
     )?;
-    let opts = HeliosBenchOptions {
+    let opts = options(&a, budget, slo, Some(vanilla));
+    let ctx = HeliosBenchContext {
+        repo: &repo,
+        candidates: &candidates,
+        dataset: &a.dataset,
+        sample: &sample,
+        threads,
+    };
+    let r = run_bench_helios(&ctx, &opts, |phase| eprintln!("running {phase}"))?;
+    summary(&r);
+    let md = r.markdown();
+    if let Some(p) = &a.markdown {
+        std::fs::write(p, &md).with_context(|| format!("writing {}", p.display()))?;
+    } else {
+        eprintln!("\n{md}");
+    }
+    if let Some(dir) = &a.plot {
+        for p in r.plot(dir)? {
+            eprintln!("wrote {}", p.display());
+        }
+    }
+    write_json(&a.json, &r)
+}
+
+/// The drift trace's run and report.
+fn run_drift_trace(
+    a: &BenchHeliosArgs,
+    repo: &Manifest,
+    candidates: &[BenchCandidate],
+    budget: u64,
+    slo: Slo,
+    threads: usize,
+) -> anyhow::Result<()> {
+    let opts = options(a, budget, slo, None);
+    let sample = Sample {
+        requests: Vec::new(),
+        records: 0,
+        truncated: false,
+        examined: 0,
+    };
+    let ctx = HeliosBenchContext {
+        repo,
+        candidates,
+        dataset: &a.dataset,
+        sample: &sample,
+        threads,
+    };
+    let d = DriftOptions {
+        per_phase: a.per_phase,
+        request_rate: a.request_rate,
+        seed: a.seed,
+        max_tokens: a.max_tokens.unwrap_or(128),
+    };
+    let r = run_drift(&ctx, &opts, &d, |phase| eprintln!("running {phase}"))?;
+    let md = r.markdown();
+    if let Some(p) = &a.markdown {
+        std::fs::write(p, &md).with_context(|| format!("writing {}", p.display()))?;
+    }
+    eprintln!("\n{md}");
+    if let Some(dir) = &a.plot {
+        for p in r.plot(dir)? {
+            eprintln!("wrote {}", p.display());
+        }
+    }
+    write_json(&a.json, &r)
+}
+
+fn options(
+    a: &BenchHeliosArgs,
+    budget: u64,
+    slo: Slo,
+    vanilla: Option<String>,
+) -> HeliosBenchOptions {
+    HeliosBenchOptions {
         memory_budget: budget,
         engine: EngineConfig::default(),
         policy: PolicyConfig {
@@ -202,33 +290,12 @@ pub fn run(a: BenchHeliosArgs, threads: usize) -> anyhow::Result<()> {
             ..PolicyConfig::default()
         },
         slo,
-        vanilla: Some(vanilla),
+        vanilla,
         baseline_prompts: a.baseline_prompts,
         max_tokens: a.max_tokens,
         ablation: a.ablation,
         serial: a.serial,
-    };
-    let ctx = HeliosBenchContext {
-        repo: &repo,
-        candidates: &candidates,
-        dataset: &a.dataset,
-        sample: &sample,
-        threads,
-    };
-    let r = run_bench_helios(&ctx, &opts, |phase| eprintln!("running {phase}"))?;
-    summary(&r);
-    let md = r.markdown();
-    if let Some(p) = &a.markdown {
-        std::fs::write(p, &md).with_context(|| format!("writing {}", p.display()))?;
-    } else {
-        eprintln!("\n{md}");
     }
-    if let Some(dir) = &a.plot {
-        for p in r.plot(dir)? {
-            eprintln!("wrote {}", p.display());
-        }
-    }
-    write_json(&a.json, &r)
 }
 
 fn summary(r: &HeliosBenchReport) {

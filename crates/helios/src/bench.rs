@@ -43,6 +43,7 @@ use crate::pht::Pht;
 use crate::policy::{estimate, DepthRule, Evaluation, PolicyConfig, RemedyMode, Slo};
 use crate::{HeliosError, Result};
 
+pub mod drift;
 mod report;
 mod systems;
 
@@ -255,7 +256,11 @@ pub struct RequestRecord {
     pub output_nats: f64,
     pub ttft_s: Option<f64>,
     pub tpot_s: Option<f64>,
+    /// From the request's arrival to its last token.
     pub latency_s: f64,
+    /// When it was sent, and when it finished, from the run's start.
+    pub arrival_s: f64,
+    pub finished_s: f64,
 }
 
 /// Tokens one model emitted at one depth.
@@ -407,6 +412,8 @@ struct Job {
     output_len: usize,
     /// The dataset's answer, scored by shadow evaluation as a reference.
     reference: Option<String>,
+    /// Seconds after the run's start when the request is sent.
+    arrival_s: f64,
 }
 
 fn greedy(n: usize) -> SamplingParams {
@@ -467,6 +474,7 @@ pub fn run_bench_helios(
                 .max_tokens
                 .map_or(r.output_len, |m| r.output_len.min(m)),
             reference: (!r.answer.is_empty()).then(|| r.answer.clone()),
+            arrival_s: 0.0,
         })
         .collect();
     if jobs.is_empty() {

@@ -157,7 +157,10 @@ fn shadow_evaluation_follows_prose_then_code_then_prose() {
             .expect("submit")
             .wait()
             .expect("completion");
-        assert!(!done.evaluation, "shadow evaluation serves no evaluation block");
+        assert!(
+            !done.evaluation,
+            "shadow evaluation serves no evaluation block"
+        );
         assert_eq!(done.completion.token_ids.len(), 4);
         served.push(done.model.to_string());
         if (i + 1) % WINDOW == 0 {
@@ -197,14 +200,20 @@ fn shadow_evaluation_follows_prose_then_code_then_prose() {
         .iter()
         .position(|m| m == QWEN)
         .expect("switched to the coder");
-    assert!(first <= lag, "switched {first} requests into code: {served:?}");
+    assert!(
+        first <= lag,
+        "switched {first} requests into code: {served:?}"
+    );
     assert!(code_phase[first..].iter().all(|m| m == QWEN), "{served:?}");
     // Prose again: back to the fast model within the same lag.
     let back = served[2 * PHASE..]
         .iter()
         .position(|m| m == SMOL)
         .expect("switched back");
-    assert!(back <= lag, "switched back {back} requests into prose: {served:?}");
+    assert!(
+        back <= lag,
+        "switched back {back} requests into prose: {served:?}"
+    );
     let c = &stats.counters;
     assert_eq!(c.switches, 2, "{c:?}");
     assert_eq!(c.shadow_rounds as usize, trace.len() / WINDOW);

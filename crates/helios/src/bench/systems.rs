@@ -61,7 +61,15 @@ fn warm_up(h: &EngineHandle, job: &Job) -> Result<()> {
     Ok(())
 }
 
-fn record(model: &str, c: &Completion, depths: Vec<usize>, t0: Instant) -> RequestRecord {
+/// A finished request; TTFT and latency count from its arrival `arrival_s` after `t0`.
+fn record(
+    model: &str,
+    c: &Completion,
+    depths: Vec<usize>,
+    t0: Instant,
+    arrival_s: f64,
+) -> RequestRecord {
+    let since = |t: Instant| secs(t.saturating_duration_since(t0));
     RequestRecord {
         model: model.to_string(),
         prompt_tokens: c.prompt_tokens,
@@ -70,11 +78,11 @@ fn record(model: &str, c: &Completion, depths: Vec<usize>, t0: Instant) -> Reque
         depths,
         output_bytes: c.text.len(),
         output_nats: -c.logprobs.iter().map(|&l| f64::from(l)).sum::<f64>(),
-        ttft_s: c
-            .first_token_at
-            .map(|t| secs(t.saturating_duration_since(t0))),
+        ttft_s: c.first_token_at.map(|t| (since(t) - arrival_s).max(0.0)),
         tpot_s: c.tpot().map(secs),
-        latency_s: secs(c.finished_at.saturating_duration_since(t0)),
+        latency_s: (since(c.finished_at) - arrival_s).max(0.0),
+        arrival_s,
+        finished_s: since(c.finished_at),
     }
 }
 
@@ -93,15 +101,7 @@ pub(super) fn run_vanilla(
     let engines = [h.clone()];
     let mut peaks = MemoryPeaks::default();
     let t0 = Instant::now();
-    let mut streams = jobs
-        .iter()
-        .map(|j| {
-            Ok(h.add_request(EngineRequest {
-                prompt: j.prompt.clone(),
-                params: greedy(j.output_len),
-            })?)
-        })
-        .collect::<Result<Vec<RequestStream>>>()?;
+    let mut streams: Vec<Option<RequestStream>> = jobs.iter().map(|_| None).collect();
     let mut outputs = vec![Vec::new(); streams.len()];
     let mut done = vec![false; streams.len()];
     let mut n_done = 0;
@@ -109,7 +109,17 @@ pub(super) fn run_vanilla(
     sample_stats(&engines, &mut peaks)?;
     while n_done < streams.len() {
         let mut any = false;
+        for (j, slot) in jobs.iter().zip(streams.iter_mut()) {
+            if slot.is_none() && secs(t0.elapsed()) >= j.arrival_s {
+                *slot = Some(h.add_request(EngineRequest {
+                    prompt: j.prompt.clone(),
+                    params: greedy(j.output_len),
+                })?);
+                any = true;
+            }
+        }
         for (i, s) in streams.iter_mut().enumerate() {
+            let Some(s) = s.as_mut() else { continue };
             while !done[i] {
                 let Some(o) = s.try_next() else { break };
                 let o = o?;
@@ -132,7 +142,8 @@ pub(super) fn run_vanilla(
     let layers = c.entry.layers;
     let per_request = outputs
         .into_iter()
-        .map(|o| {
+        .zip(jobs)
+        .map(|(o, j)| {
             let c2 = Completion::gather(o)
                 .ok_or_else(|| HeliosError::Orchestrator("a stream ended early".into()))?;
             Ok(record(
@@ -140,6 +151,7 @@ pub(super) fn run_vanilla(
                 &c2,
                 vec![layers; c2.token_ids.len()],
                 t0,
+                j.arrival_s,
             ))
         })
         .collect::<Result<Vec<_>>>()?;
@@ -201,6 +213,8 @@ pub(super) fn run_ee_llm(
             ttft_s: (!g.tokens.is_empty()).then_some(ttft),
             tpot_s: (g.tokens.len() > 1).then(|| g.decode_secs / (g.tokens.len() - 1) as f64),
             latency_s: secs(end.saturating_duration_since(t0)),
+            arrival_s: 0.0,
+            finished_s: secs(end.saturating_duration_since(t0)),
             token_ids: g.tokens,
             depths: g.depths,
         });
@@ -324,16 +338,7 @@ fn drive_helios(
 ) -> Result<(Vec<RequestRecord>, MemoryPeaks)> {
     let mut peaks = MemoryPeaks::default();
     let t0 = Instant::now();
-    let mut streams = jobs
-        .iter()
-        .map(|j| {
-            o.submit(HeliosRequest {
-                prompt: HeliosPrompt::Text(j.text.clone()),
-                params: greedy(j.output_len),
-                reference: j.reference.clone(),
-            })
-        })
-        .collect::<Result<Vec<HeliosStream>>>()?;
+    let mut streams: Vec<Option<HeliosStream>> = jobs.iter().map(|_| None).collect();
     let mut outputs: Vec<Vec<HeliosOutput>> = vec![Vec::new(); streams.len()];
     let mut done = vec![false; streams.len()];
     let mut n_done = 0;
@@ -341,7 +346,18 @@ fn drive_helios(
     sample_stats(engines, &mut peaks)?;
     while n_done < streams.len() {
         let mut any = false;
+        for (j, slot) in jobs.iter().zip(streams.iter_mut()) {
+            if slot.is_none() && secs(t0.elapsed()) >= j.arrival_s {
+                *slot = Some(o.submit(HeliosRequest {
+                    prompt: HeliosPrompt::Text(j.text.clone()),
+                    params: greedy(j.output_len),
+                    reference: j.reference.clone(),
+                })?);
+                any = true;
+            }
+        }
         for (i, s) in streams.iter_mut().enumerate() {
+            let Some(s) = s.as_mut() else { continue };
             while !done[i] {
                 let Some(out) = s.try_next() else { break };
                 let out = out?;
@@ -361,7 +377,8 @@ fn drive_helios(
     }
     let records = outputs
         .into_iter()
-        .map(|outs| {
+        .zip(jobs)
+        .map(|(outs, j)| {
             let model = outs
                 .first()
                 .map(|o| o.model.to_string())
@@ -372,7 +389,7 @@ fn drive_helios(
                 .collect();
             let c = Completion::gather(outs.into_iter().map(|o| o.output))
                 .ok_or_else(|| HeliosError::Orchestrator("a stream ended early".into()))?;
-            Ok(record(&model, &c, depths, t0))
+            Ok(record(&model, &c, depths, t0, j.arrival_s))
         })
         .collect::<Result<Vec<_>>>()?;
     Ok((records, peaks))
@@ -397,7 +414,7 @@ fn system_report(
     let layers = |m: &str| depths(m).1;
     let output_tokens: usize = per_request.iter().map(|r| r.output_tokens).sum();
     let prompt_tokens: usize = per_request.iter().map(|r| r.prompt_tokens).sum();
-    let duration = per_request.iter().map(|r| r.latency_s).fold(0.0, f64::max);
+    let duration = per_request.iter().map(|r| r.finished_s).fold(0.0, f64::max);
     let mut counts: BTreeMap<(String, usize), u64> = BTreeMap::new();
     let mut by_model: BTreeMap<String, u64> = BTreeMap::new();
     let (mut at_earliest, mut at_full, mut depth_frac) = (0u64, 0u64, 0f64);
