@@ -103,10 +103,13 @@ pub struct DriftReport {
     pub seconds: f64,
 }
 
+/// One answer's bytes and its nats at each scored depth.
+type AnswerNats = (u64, Vec<(usize, f64)>);
+
 /// Reference answers' nats per candidate, request and depth.
 struct ReferenceTable {
-    /// `[candidate][request]` → `(bytes, [(depth, nats)])`.
-    nats: BTreeMap<String, Vec<(u64, Vec<(usize, f64)>)>>,
+    /// `[candidate][request]`.
+    nats: BTreeMap<String, Vec<AnswerNats>>,
 }
 
 impl ReferenceTable {
