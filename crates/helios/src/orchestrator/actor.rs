@@ -109,6 +109,8 @@ struct Shadow {
     rx: mpsc::Receiver<RoundResult>,
     /// A round is being scored.
     busy: bool,
+    /// Whether prompts are sampled at all (off when no score can change the choice).
+    scoring: bool,
     pending: Vec<ShadowText>,
     gate: SwitchGate,
     rounds: Vec<ShadowRound>,
@@ -218,6 +220,15 @@ impl State {
         } else {
             None
         };
+        // Without a quality bound (and with the quality-bound depth rule) the choice is the
+        // best point by offline speed at full depth, which no score can change: scoring
+        // would only take compute from serving.
+        let scoring = shadow_mode
+            && (policy.slo.max_bits_per_byte_increase.is_some()
+                || policy.config.depth_rule == crate::policy::DepthRule::Coverage);
+        if shadow_mode && !scoring {
+            tracing::info!("HELIOS shadow: no quality bound in the SLO, so no score can change the choice; scoring is off");
+        }
         let cfg = &policy.config;
         let mut state = Self {
             pht: Pht::new(cfg.threshold),
@@ -236,7 +247,8 @@ impl State {
             tokens_per_request: 0.0,
             shadow,
         };
-        if state.shadow.is_some() {
+        if let Some(sh) = state.shadow.as_mut() {
+            sh.scoring = scoring;
             state.serve_first()?;
         }
         Ok(state)
@@ -301,7 +313,7 @@ impl State {
 
     fn submit(&mut self, q: Queued) {
         self.counters.requests += 1;
-        if let Some(sh) = self.shadow.as_mut() {
+        if let Some(sh) = self.shadow.as_mut().filter(|sh| sh.scoring) {
             let every = self.policy.config.shadow.sample_every as u64;
             if (self.counters.requests - 1).is_multiple_of(every) {
                 sh.pending.push(ShadowText {
@@ -1034,6 +1046,7 @@ fn start_scorer(
         tx,
         rx,
         busy: false,
+        scoring: true,
         pending: Vec::new(),
         gate: SwitchGate::new(cfg.shadow.switch_after),
         rounds: Vec::new(),

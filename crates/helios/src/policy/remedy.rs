@@ -162,6 +162,7 @@ mod tests {
     fn policy(mode: RemedyMode, slo: Slo) -> Policy {
         let cfg = PolicyConfig {
             remedy: mode,
+            depth_rule: crate::policy::DepthRule::Coverage,
             ..PolicyConfig::default()
         };
         Policy::new(cfg, slo, 10 << 30).unwrap()

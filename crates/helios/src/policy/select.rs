@@ -263,8 +263,13 @@ pub(crate) mod tests {
         .unwrap()
     }
 
+    /// HELIOS's depth rule (the exit histogram's coverage).
     fn policy(slo: Slo, budget: u64) -> Policy {
-        Policy::new(PolicyConfig::default(), slo, budget).unwrap()
+        let config = PolicyConfig {
+            depth_rule: DepthRule::Coverage,
+            ..PolicyConfig::default()
+        };
+        Policy::new(config, slo, budget).unwrap()
     }
 
     fn names(s: &Selection) -> Vec<(&str, usize)> {
@@ -304,6 +309,21 @@ pub(crate) mod tests {
         );
         let tiny = s.rejected.iter().find(|r| r.0 == "tiny").unwrap();
         assert!(tiny.1.contains("bits per byte"), "{}", tiny.1);
+        // The quality-bound rule: each model at its shallowest depth within 1.3.
+        let config = PolicyConfig {
+            depth_rule: DepthRule::QualityBound,
+            ..PolicyConfig::default()
+        };
+        let slo = Slo {
+            max_bits_per_byte_increase: Some(0.5),
+            ..Slo::default()
+        };
+        let p = Policy::new(config, slo, 10 << 30).unwrap();
+        let s = p.select_candidates(&repo()).unwrap();
+        assert_eq!(
+            names(&s),
+            vec![("small", 24), ("medium", 24), ("large", 20)]
+        );
     }
 
     #[test]

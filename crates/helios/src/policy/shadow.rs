@@ -68,7 +68,7 @@ pub struct ShadowConfig {
 impl Default for ShadowConfig {
     fn default() -> Self {
         Self {
-            share: 0.2,
+            share: 0.1,
             sample_every: 4,
             window: 6,
             max_text_bytes: 1024,
@@ -223,5 +223,197 @@ impl SwitchGate {
     /// Rounds the pending choice has been named in a row.
     pub fn pending(&self) -> Option<(&Serving, usize)> {
         self.pending.as_ref().map(|p| (p, self.count))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pht::ExitHistogram;
+    use crate::policy::{PolicyConfig, Slo};
+    use crate::shadow::DepthNats;
+
+    const REPO: &str = r#"
+version = 1
+
+[[model]]
+name = "fast"
+size_bytes = 100000000
+layers = 30
+exit_layers = [15]
+
+[[model.depth]]
+depth = 15
+tokens_per_s = 100.0
+bits_per_byte = 3.0
+memory_bytes = 50000000
+
+[[model.depth]]
+depth = 30
+tokens_per_s = 50.0
+bits_per_byte = 1.5
+memory_bytes = 100000000
+
+[[model]]
+name = "coder"
+size_bytes = 500000000
+layers = 24
+exit_layers = [12]
+
+[[model.depth]]
+depth = 12
+tokens_per_s = 40.0
+bits_per_byte = 3.0
+memory_bytes = 250000000
+
+[[model.depth]]
+depth = 24
+tokens_per_s = 20.0
+bits_per_byte = 1.7
+memory_bytes = 500000000
+"#;
+
+    fn policy(bound: Option<f64>, rule: DepthRule) -> Policy {
+        let config = PolicyConfig {
+            depth_rule: rule,
+            min_kv_tokens: 0,
+            ..PolicyConfig::default()
+        };
+        let slo = Slo {
+            max_bits_per_byte_increase: bound,
+            ..Slo::default()
+        };
+        Policy::new(config, slo, 1 << 30).unwrap()
+    }
+
+    /// A score of `bytes` bytes with these bits per byte at each depth.
+    fn score(model: &str, bpb: &[(usize, f64)], exits: &[(usize, u64)]) -> ShadowScore {
+        let bytes = 1000u64;
+        ShadowScore {
+            model: model.into(),
+            texts: 4,
+            prompt: DepthNats {
+                bytes,
+                tokens: 250,
+                nats: bpb
+                    .iter()
+                    .map(|&(d, b)| (d, b * bytes as f64 * std::f64::consts::LN_2))
+                    .collect(),
+            },
+            reference: DepthNats::default(),
+            exits: ExitHistogram::from_counts(exits.iter().copied()),
+            busy_s: 1.0,
+            prefill_tokens_per_s: 250.0,
+            wall_s: 1.0,
+            peak_layers_resident: 1,
+            peak_layer_bytes: 1,
+            peak_activation_bytes: 1,
+        }
+    }
+
+    fn choose(p: &Policy, scores: &[ShadowScore]) -> (String, usize) {
+        let repo = Manifest::from_toml(REPO, "t").unwrap();
+        let cands = p.select_candidates(&repo).unwrap().candidates;
+        let map = scores.iter().map(|s| (s.model.clone(), s.clone())).collect();
+        let c = p.choose_shadow(&repo, &cands, &map).unwrap();
+        (c.model, c.depth)
+    }
+
+    #[test]
+    fn the_bound_is_judged_on_the_traffic_and_picks_the_shallowest_passing_depth() {
+        let p = policy(Some(0.2), DepthRule::QualityBound);
+        // Prose: the fast model is within 0.2 of the coder at full depth, not at 15.
+        let prose = [
+            score("fast", &[(15, 1.5), (30, 1.1)], &[]),
+            score("coder", &[(12, 1.6), (24, 1.0)], &[]),
+        ];
+        assert_eq!(choose(&p, &prose), ("fast".into(), 30));
+        // An easy text: the fast model's depth 15 is within the bound too, and faster.
+        let easy = [
+            score("fast", &[(15, 1.15), (30, 1.05)], &[]),
+            score("coder", &[(12, 1.6), (24, 1.0)], &[]),
+        ];
+        assert_eq!(choose(&p, &easy), ("fast".into(), 15));
+        // Code: the fast model is 0.5 above the coder; the coder's depth 12 is too.
+        let code = [
+            score("fast", &[(15, 2.0), (30, 1.0)], &[]),
+            score("coder", &[(12, 1.2), (24, 0.5)], &[]),
+        ];
+        assert_eq!(choose(&p, &code), ("coder".into(), 24));
+        // Before any score, offline telemetry: the fast model (its own 3.0 at depth 15 is
+        // over 1.5 + 0.2).
+        assert_eq!(choose(&p, &[]), ("fast".into(), 30));
+    }
+
+    #[test]
+    fn without_a_bound_the_depth_is_full_and_coverage_stays_selectable() {
+        let code = [
+            score("fast", &[(15, 1.15), (30, 1.0)], &[(15, 90), (30, 10)]),
+            score("coder", &[(12, 1.2), (24, 0.5)], &[]),
+        ];
+        assert_eq!(
+            choose(&policy(None, DepthRule::QualityBound), &code),
+            ("fast".into(), 30)
+        );
+        // Coverage: 90% of the fast model's tokens exit at 15; the bound still applies.
+        let cov = policy(Some(1.0), DepthRule::Coverage);
+        assert_eq!(choose(&cov, &code), ("fast".into(), 15));
+    }
+
+    #[test]
+    fn a_model_without_a_score_is_left_out_once_others_have_one() {
+        let p = policy(Some(0.2), DepthRule::QualityBound);
+        let only_coder = [score("coder", &[(12, 1.2), (24, 0.5)], &[])];
+        assert_eq!(choose(&p, &only_coder), ("coder".into(), 24));
+    }
+
+    #[test]
+    fn the_gate_waits_for_agreeing_rounds() {
+        let cur = Serving {
+            model: "fast".into(),
+            depth: 30,
+        };
+        let coder = Serving {
+            model: "coder".into(),
+            depth: 24,
+        };
+        let mut g = SwitchGate::new(2);
+        assert!(!g.propose(&cur, &coder));
+        assert_eq!(g.pending(), Some((&coder, 1)));
+        // A round that keeps the current choice resets the count.
+        assert!(!g.propose(&cur, &cur));
+        assert_eq!(g.pending(), None);
+        assert!(!g.propose(&cur, &coder));
+        assert!(g.propose(&cur, &coder));
+        assert_eq!(g.pending(), None);
+        assert!(SwitchGate::new(1).propose(&cur, &coder));
+    }
+
+    #[test]
+    fn config_is_validated() {
+        assert!(ShadowConfig::default().validate().is_ok());
+        for bad in [
+            ShadowConfig {
+                share: 0.0,
+                ..ShadowConfig::default()
+            },
+            ShadowConfig {
+                window: 0,
+                ..ShadowConfig::default()
+            },
+            ShadowConfig {
+                max_text_bytes: 8,
+                ..ShadowConfig::default()
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+        let c: PolicyConfig =
+            toml::from_str("evaluation = \"serial\"\ndepth_rule = \"coverage\"\n[shadow]\nshare = 0.3")
+                .unwrap();
+        assert_eq!(c.evaluation, Evaluation::Serial);
+        assert_eq!(c.depth_rule, DepthRule::Coverage);
+        assert_eq!(c.shadow.share, 0.3);
+        assert!(toml::from_str::<PolicyConfig>("evaluation = \"parallel\"").is_err());
     }
 }
