@@ -2,7 +2,9 @@
 //! SmolLM2-135M and Qwen2.5-Coder-0.5B as HELIOS's candidates), 4 prompts of 16 tokens: the
 //! report's sums equal the sums over its requests, shares are shares, bits per byte follow
 //! from the log-probabilities, vanilla's tokens are the engine's greedy tokens for the same
-//! prompts, and the orchestrator evaluated each candidate on one request.
+//! prompts; HELIOS with shadow evaluation and no quality bound serves the fastest candidate
+//! without scoring anything, and HELIOS with serial evaluation evaluated each candidate on
+//! one request.
 
 use std::sync::Arc;
 
@@ -151,7 +153,7 @@ fn bench_helios_report_adds_up_on_real_models() {
         baseline_prompts: None,
         max_tokens: Some(TOKENS),
         ablation: false,
-        serial: false,
+        serial: true,
     };
     let ctx = HeliosBenchContext {
         repo: &repo,
@@ -162,7 +164,7 @@ fn bench_helios_report_adds_up_on_real_models() {
     };
     let mut phases = Vec::new();
     let r = run_bench_helios(&ctx, &opts, |p| phases.push(p.to_string())).expect("bench");
-    assert_eq!(phases.len(), 3, "{phases:?}");
+    assert_eq!(phases.len(), 4, "{phases:?}");
     for s in [&r.vanilla, &r.ee_llm, &r.helios] {
         check_sums(s);
     }
@@ -215,16 +217,18 @@ fn bench_helios_report_adds_up_on_real_models() {
         e.bits_per_byte - v.bits_per_byte
     ));
 
-    // HELIOS: one evaluation request per candidate, both candidates served tokens.
+    // HELIOS shadow, no quality bound: the fastest candidate by telemetry serves everything
+    // at full depth, and nothing is scored (no score could change that choice).
     let h = &r.helios;
+    assert_eq!(h.system, "HELIOS shadow");
     let d = h.decisions.as_ref().expect("HELIOS decisions");
-    assert_eq!(d.evaluation_requests, 2);
-    assert!(d.profiles >= 1 && d.profile_seconds >= 0.0);
-    assert_eq!(h.tokens_by_model.len(), 2, "{:?}", h.tokens_by_model);
-    assert!(h
-        .per_request
-        .iter()
-        .all(|q| q.model == SMOL || q.model == QWEN));
+    assert_eq!(
+        (d.evaluation_requests, d.shadow_rounds, d.switches),
+        (0, 0, 0)
+    );
+    assert_eq!(h.tokens_by_model.len(), 1, "{:?}", h.tokens_by_model);
+    assert!(h.per_request.iter().all(|q| q.model == SMOL));
+    assert_eq!(h.full_depth_share, 1.0);
     assert!(close(
         h.bits_per_byte_vs_full,
         h.bits_per_byte - v.bits_per_byte
@@ -233,10 +237,29 @@ fn bench_helios_report_adds_up_on_real_models() {
         r.helios_vs_ee_llm_throughput,
         h.output_tokens_per_s / e.output_tokens_per_s
     ));
+    assert!(r.shadow_rounds.is_empty());
+
+    // HELIOS serial: one evaluation request per candidate, both candidates served tokens.
+    let h = r.helios_serial.as_ref().expect("the serial run");
+    check_sums(h);
+    assert_eq!(h.system, "HELIOS serial");
+    let d = h.decisions.as_ref().expect("HELIOS decisions");
+    assert_eq!(d.evaluation_requests, 2);
+    assert!(d.profiles >= 1 && d.profile_seconds >= 0.0);
+    assert_eq!(h.tokens_by_model.len(), 2, "{:?}", h.tokens_by_model);
+    assert!(h
+        .per_request
+        .iter()
+        .all(|q| q.model == SMOL || q.model == QWEN));
     assert_eq!(r.pht.rows().len(), 2);
 
     let md = r.markdown();
-    for row in ["| vanilla | 4 |", "| EE-LLM | 4 |", "| HELIOS | 4 |"] {
+    for row in [
+        "| vanilla | 4 |",
+        "| EE-LLM | 4 |",
+        "| HELIOS shadow | 4 |",
+        "| HELIOS serial | 4 |",
+    ] {
         assert!(md.contains(row), "{md}");
     }
 }

@@ -29,7 +29,10 @@ impl HeliosBenchReport {
         );
         let _ = writeln!(s, "| system | requests | output tokens | tokens/s | TTFT mean / P50 / P99 (s) | TPOT mean / P50 / P99 (ms) | earliest exit | full depth | largest batch | peak resident (MiB) | bits/byte | Δ vs full |");
         let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
-        for r in [&self.vanilla, &self.ee_llm, &self.helios] {
+        for r in [&self.vanilla, &self.ee_llm, &self.helios]
+            .into_iter()
+            .chain(self.helios_serial.as_ref())
+        {
             let _ = writeln!(
                 s,
                 "| {} | {} | {} | {:.2} | {:.2} / {:.2} / {:.2} | {:.1} / {:.1} / {:.1} | {:.1}% | {:.1}% | {} | {:.1} | {:.4} | {:+.4} |",
@@ -59,10 +62,37 @@ impl HeliosBenchReport {
             -100.0 * self.helios_tpot_p50_reduction_vs_ee_llm,
             self.helios_vs_vanilla_throughput
         );
-        if let Some(d) = &self.helios.decisions {
+        if let Some(x) = self.helios_serial_vs_vanilla_throughput {
+            let _ = writeln!(s, "HELIOS serial / vanilla: {x:.2}x output tokens/s.");
+        }
+        // Shadow evaluation serves no evaluation request.
+        if let Some(d) = self
+            .helios
+            .decisions
+            .as_ref()
+            .filter(|d| d.evaluation_requests == 0)
+        {
             let _ = writeln!(
                 s,
-                "\nHELIOS decisions: {} profiles ({} re-profiles, {:.3} s of loads and decisions), {} extends ({:.3} s), {} switches ({:.3} s, {} sequences drained), CBC fired {} times; {} evaluation requests.",
+                "\nHELIOS shadow scoring: {} rounds, {:.1} s computing ({:.1}% of its time), scorers' peak {:.1} MiB (counted in peak resident); {} switches, {} depth changes.",
+                d.shadow_rounds,
+                d.shadow_busy_seconds,
+                100.0 * d.shadow_share_used,
+                mib(d.shadow_peak_bytes),
+                d.switches,
+                d.extends
+            );
+        }
+        if let Some(d) = self
+            .helios_serial
+            .as_ref()
+            .or(Some(&self.helios))
+            .and_then(|r| r.decisions.as_ref())
+            .filter(|d| d.evaluation_requests > 0)
+        {
+            let _ = writeln!(
+                s,
+                "\nHELIOS serial decisions: {} profiles ({} re-profiles, {:.3} s of loads and decisions), {} extends ({:.3} s), {} switches ({:.3} s, {} sequences drained), CBC fired {} times; {} evaluation requests.",
                 d.profiles,
                 d.reprofiles,
                 d.profile_seconds,
@@ -128,7 +158,10 @@ impl HeliosBenchReport {
             source,
         })?;
         let text = fonts_available();
-        let systems = [&self.vanilla, &self.ee_llm, &self.helios];
+        let systems: Vec<_> = [&self.vanilla, &self.ee_llm, &self.helios]
+            .into_iter()
+            .chain(self.helios_serial.as_ref())
+            .collect();
         let mut written = Vec::new();
         let cdf = |f: fn(&RequestRecord) -> Option<f64>| -> Vec<Series> {
             systems

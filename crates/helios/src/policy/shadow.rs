@@ -314,7 +314,10 @@ memory_bytes = 500000000
     fn choose(p: &Policy, scores: &[ShadowScore]) -> (String, usize) {
         let repo = Manifest::from_toml(REPO, "t").unwrap();
         let cands = p.select_candidates(&repo).unwrap().candidates;
-        let map = scores.iter().map(|s| (s.model.clone(), s.clone())).collect();
+        let map = scores
+            .iter()
+            .map(|s| (s.model.clone(), s.clone()))
+            .collect();
         let c = p.choose_shadow(&repo, &cands, &map).unwrap();
         (c.model, c.depth)
     }
@@ -408,9 +411,10 @@ memory_bytes = 500000000
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }
-        let c: PolicyConfig =
-            toml::from_str("evaluation = \"serial\"\ndepth_rule = \"coverage\"\n[shadow]\nshare = 0.3")
-                .unwrap();
+        let c: PolicyConfig = toml::from_str(
+            "evaluation = \"serial\"\ndepth_rule = \"coverage\"\n[shadow]\nshare = 0.3",
+        )
+        .unwrap();
         assert_eq!(c.evaluation, Evaluation::Serial);
         assert_eq!(c.depth_rule, DepthRule::Coverage);
         assert_eq!(c.shadow.share, 0.3);
