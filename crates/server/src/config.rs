@@ -164,10 +164,13 @@ pub struct ModelSection {
 /// manifest = "models.toml"         # the repository, `switchyard profile` telemetry
 /// memory_budget = "4GiB"           # shared equally by the candidate engines
 /// slo = { objective = "throughput", max_bits_per_byte_increase = 0.3 }
-/// policy = { top_k = 3, eval_requests = 5, reprofile_interval = 150 }
+/// policy = { evaluation = "shadow", shadow = { share = 0.1, window = 6, sample_every = 4 } }
 /// ```
 ///
-/// Each candidate engine uses its calibrated exit heads when the manifest says `exit_heads =
+/// `evaluation = "shadow"` (the default) serves every request with the chosen candidate and
+/// scores sampled prompts with the others, streaming their layers; `"serial"` is HELIOS's
+/// evaluation in blocks of requests (`eval_requests`, `reprofile_interval`, the breach
+/// counter). Each candidate engine uses its calibrated exit heads when the manifest says `exit_heads =
 /// "tuned"` (the file beside the model), the logit lens otherwise.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -181,7 +184,7 @@ pub struct HeliosSection {
     pub memory_budget: Option<String>,
     #[serde(default)]
     pub slo: switchyard_helios::policy::Slo,
-    /// The policy's tunables; every default is HELIOS's.
+    /// The policy's tunables (see [`switchyard_helios::policy::PolicyConfig`]).
     #[serde(default)]
     pub policy: switchyard_helios::policy::PolicyConfig,
 }
