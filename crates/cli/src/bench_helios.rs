@@ -99,6 +99,16 @@ pub struct BenchHeliosArgs {
     /// One request in this many has its prompt scored.
     #[arg(long, default_value_t = ShadowConfig::default().sample_every)]
     shadow_sample_every: usize,
+    /// Most bytes of each scored prompt.
+    #[arg(long, default_value_t = ShadowConfig::default().max_text_bytes)]
+    shadow_max_bytes: usize,
+    /// Rounds that must agree before HELIOS serves a new choice.
+    #[arg(long, default_value_t = ShadowConfig::default().switch_after)]
+    shadow_switch_after: usize,
+    /// Do not score the trace's reference answers in the shadow (they are reported, never
+    /// used to choose, and double the scoring work).
+    #[arg(long)]
+    shadow_skip_references: bool,
     /// Depth rule: quality-bound (shallowest depth within the bits-per-byte bound) or
     /// coverage (HELIOS's exit-histogram rule).
     #[arg(long, default_value = "quality-bound", value_parser = ["quality-bound", "coverage"])]
@@ -285,7 +295,9 @@ fn options(
                 share: a.shadow_share,
                 window: a.shadow_window,
                 sample_every: a.shadow_sample_every,
-                ..ShadowConfig::default()
+                max_text_bytes: a.shadow_max_bytes,
+                switch_after: a.shadow_switch_after,
+                references: !a.shadow_skip_references,
             },
             ..PolicyConfig::default()
         },

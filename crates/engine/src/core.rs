@@ -120,6 +120,10 @@ pub struct MemoryStats {
     pub workspace_bytes: u64,
     /// weights + KV pool + workspace.
     pub in_use_bytes: u64,
+    /// K/V the sequences in the engine will hold when each reaches its `max_tokens`
+    /// (blocks shared through the prefix cache counted once): what a budget must keep for
+    /// them to finish without preemption.
+    pub kv_to_finish_bytes: u64,
 }
 
 /// A snapshot of the engine.
@@ -296,6 +300,9 @@ impl EngineCore {
     /// Validates and queues a request under `id`.
     pub fn add_request(&mut self, id: RequestId, req: EngineRequest) -> Result<()> {
         req.params.validate()?;
+        if self.is_parked() {
+            return Err(EngineError::Parked);
+        }
         let vocab = self.model.spec().vocab_size;
         if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(switchyard_models::ModelError::TokenOutOfRange { id: t, vocab }.into());
@@ -564,13 +571,7 @@ impl EngineCore {
     /// the job that reads them, to run on any thread. Install what it loads with
     /// [`EngineCore::install_layer`], then call [`EngineCore::finish_load`].
     pub fn begin_load(&mut self, upto: usize) -> Result<(LayerLoadJob, LoadReport)> {
-        if let Some(l) = &self.loading {
-            let (start, end) = (
-                l.first().map_or(0, |x| x.0),
-                l.last().map_or(0, |x| x.0 + 1),
-            );
-            return Err(EngineError::LoadInProgress { start, end });
-        }
+        self.no_load_in_progress()?;
         let n_layers = self.model.n_layers();
         if upto > n_layers {
             return Err(EngineError::BadDepth {
@@ -578,6 +579,7 @@ impl EngineCore {
                 n_layers,
             });
         }
+        self.unpark()?;
         let start = self.resident_layers();
         let layers = start..upto.max(start);
         let planned: Vec<(usize, u64)> = layers
@@ -681,13 +683,7 @@ impl EngineCore {
     /// Keeps only layers `0..keep` resident: frees the other layers' weights and KV blocks
     /// and gives their memory to the KV pool. The depth drops to `keep` if it was above.
     pub fn drop_layers(&mut self, keep: usize) -> Result<LoadReport> {
-        if let Some(l) = &self.loading {
-            let (start, end) = (
-                l.first().map_or(0, |x| x.0),
-                l.last().map_or(0, |x| x.0 + 1),
-            );
-            return Err(EngineError::LoadInProgress { start, end });
-        }
+        self.no_load_in_progress()?;
         let n_layers = self.model.n_layers();
         if keep == 0 || keep > n_layers {
             return Err(EngineError::BadDepth {
@@ -709,13 +705,116 @@ impl EngineCore {
         })
     }
 
-    /// Resizes the pool to what the budget leaves beside the weights and the workspace.
-    fn fit_pool(&mut self) {
+    /// Changes the memory budget between steps (an orchestrator moving memory from an idle
+    /// engine to the serving one): the KV pool grows into a larger budget, or shrinks into a
+    /// smaller one (free blocks first, then cached prefixes, then running sequences are
+    /// preempted for recomputation). Refused while layers load, and below the resident
+    /// weights plus the workspace.
+    pub fn set_budget(&mut self, bytes: u64) -> Result<LoadReport> {
+        self.no_load_in_progress()?;
+        let floor = self.weights_bytes() + self.workspace_held();
+        if bytes < floor {
+            return Err(EngineError::BadConfig(format!(
+                "a memory budget of {bytes} bytes is below the resident weights and the \
+                 workspace ({floor} bytes)"
+            )));
+        }
+        let before = self.scheduler.pool().total_blocks();
+        self.budget = MemoryBudget::new(bytes);
+        self.fit_pool();
+        Ok(LoadReport {
+            pool_blocks_freed: before as i64 - self.scheduler.pool().total_blocks() as i64,
+            ..LoadReport::default()
+        })
+    }
+
+    fn no_load_in_progress(&self) -> Result<()> {
+        match &self.loading {
+            Some(l) => Err(EngineError::LoadInProgress {
+                start: l.first().map_or(0, |x| x.0),
+                end: l.last().map_or(0, |x| x.0 + 1),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Frees everything the model holds (its layers, token embedding and LM head) and the
+    /// whole KV pool, and reserves no workspace: an engine that its orchestrator does not
+    /// serve from holds nothing but its exit head's own weights. Refused while requests are
+    /// in the engine or layers load. The next layer load ([`EngineCore::begin_load`]) holds
+    /// the embedding and the head again first; requests are refused until then.
+    pub fn park(&mut self) -> Result<LoadReport> {
+        self.no_load_in_progress()?;
+        if self.scheduler.has_work() {
+            return Err(EngineError::BadConfig(format!(
+                "cannot park an engine that holds {} requests",
+                self.requests.len()
+            )));
+        }
+        if self.depth() > 1 {
+            self.scheduler.set_depth(1)?;
+        }
+        for l in 0..self.model.n_layers() {
+            self.model.drop_layer(l);
+        }
+        self.model.drop_io();
+        let before = self.scheduler.pool().total_blocks();
+        self.scheduler.shrink_pool_to(0);
+        Ok(LoadReport {
+            pool_blocks_freed: before as i64,
+            ..LoadReport::default()
+        })
+    }
+
+    /// Whether the engine is parked (see [`EngineCore::park`]).
+    pub fn is_parked(&self) -> bool {
+        !self.model.io_resident()
+    }
+
+    /// The activation workspace the budget reserves: none while parked.
+    fn workspace_held(&self) -> u64 {
+        if self.is_parked() {
+            0
+        } else {
+            self.workspace
+        }
+    }
+
+    /// Holds the embedding and the head of a parked engine again, if the budget has room
+    /// for them beside the workspace and one KV block.
+    fn unpark(&mut self) -> Result<()> {
+        if !self.is_parked() {
+            return Ok(());
+        }
+        self.model.load_io()?;
         let weights = self.weights_bytes();
-        let target = self
+        if self
             .budget
             .plan(weights, self.workspace, self.block_bytes)
-            .map_or(0, |p| p.kv_blocks);
+            .is_err()
+        {
+            self.model.drop_io();
+            return Err(EngineError::BadConfig(format!(
+                "the embedding and LM head ({weights} bytes with the exit head) and the \
+                 workspace ({} bytes) do not fit the memory budget of {} bytes",
+                self.workspace, self.budget.total_bytes
+            )));
+        }
+        self.fit_pool();
+        Ok(())
+    }
+
+    /// Resizes the pool to what the budget leaves beside the weights and the workspace
+    /// (nothing while parked).
+    fn fit_pool(&mut self) {
+        let weights = self.weights_bytes();
+        let target = match self.is_parked() {
+            true => 0,
+            false => self
+                .budget
+                .plan(weights, self.workspace, self.block_bytes)
+                .map_or(0, |p| p.kv_blocks),
+        };
         let total = self.scheduler.pool().total_blocks();
         if target < total {
             self.scheduler.shrink_pool_to(target);
@@ -739,8 +838,11 @@ impl EngineCore {
 
     /// Memory in use by category; [`Usage::check`] holds after every call.
     pub fn usage(&self) -> Usage {
-        self.budget
-            .usage(self.weights_bytes(), self.scheduler.pool(), self.workspace)
+        self.budget.usage(
+            self.weights_bytes(),
+            self.scheduler.pool(),
+            self.workspace_held(),
+        )
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -756,6 +858,7 @@ impl EngineCore {
                 kv_free_bytes: u.kv_free,
                 workspace_bytes: u.workspace,
                 in_use_bytes: u.in_use(),
+                kv_to_finish_bytes: self.scheduler.blocks_to_finish() as u64 * self.block_bytes,
             },
             block_tokens: pool.block_tokens(),
             block_bytes: self.block_bytes,

@@ -66,7 +66,10 @@ fn serve(mut backend: Box<dyn RequestBackend>, shape: Shape, rx: &mpsc::Receiver
                     )))
                 });
             }
-            Command::LoadLayers { reply, .. } | Command::DropLayers { reply, .. } => {
+            Command::LoadLayers { reply, .. }
+            | Command::DropLayers { reply, .. }
+            | Command::SetBudget { reply, .. }
+            | Command::Park { reply } => {
                 let _ = reply.send(Ok(LoadReport::default()));
             }
             Command::SetProbe { .. } => {}

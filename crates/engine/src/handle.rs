@@ -137,6 +137,13 @@ pub(crate) enum Command {
         raise_depth: bool,
         reply: oneshot::Sender<Result<LoadReport>>,
     },
+    SetBudget {
+        bytes: u64,
+        reply: oneshot::Sender<Result<LoadReport>>,
+    },
+    Park {
+        reply: oneshot::Sender<Result<LoadReport>>,
+    },
     DropLayers {
         keep: usize,
         reply: oneshot::Sender<Result<LoadReport>>,
@@ -364,6 +371,18 @@ impl EngineHandle {
         self.ask(|reply| Command::DropLayers { keep, reply })
     }
 
+    /// Makes the engine's memory budget `bytes` from the next step on (see
+    /// [`crate::EngineCore::set_budget`]).
+    pub fn set_budget(&self, bytes: u64) -> Pending<LoadReport> {
+        self.ask(|reply| Command::SetBudget { bytes, reply })
+    }
+
+    /// Frees the model's layers, embedding and head and the KV pool (see
+    /// [`crate::EngineCore::park`]); the next [`EngineHandle::load_layers`] holds them again.
+    pub fn park(&self) -> Pending<LoadReport> {
+        self.ask(|reply| Command::Park { reply })
+    }
+
     /// Tests `probe`'s exits below the serving depth from the next step on (`None`: stop).
     /// Outputs then carry each token's first passing probed exit.
     pub fn set_probe(&self, probe: Option<ExitProbe>) {
@@ -500,6 +519,12 @@ impl Server<'_> {
             } => self.start_load(upto, raise_depth, reply),
             Command::DropLayers { keep, reply } => {
                 let _ = reply.send(self.core.drop_layers(keep));
+            }
+            Command::SetBudget { bytes, reply } => {
+                let _ = reply.send(self.core.set_budget(bytes));
+            }
+            Command::Park { reply } => {
+                let _ = reply.send(self.core.park());
             }
             Command::SetProbe { probe } => self.core.set_probe(probe),
             Command::Stats { reply } => {

@@ -91,6 +91,8 @@ pub enum EngineError {
     BadConfig(String),
     #[error("the forward step failed: {0}")]
     StepFailed(String),
+    #[error("the engine holds no weights (its orchestrator parked it): load its layers before sending requests")]
+    Parked,
     #[error("the engine has stopped")]
     EngineStopped,
     #[error("the engine of `{model}` failed and is down: its thread panicked")]

@@ -226,7 +226,10 @@ impl Sequential {
             Command::SetDepth { reply, .. } => {
                 let _ = reply.send(Err(unsupported("setting the depth")));
             }
-            Command::LoadLayers { reply, .. } | Command::DropLayers { reply, .. } => {
+            Command::LoadLayers { reply, .. }
+            | Command::DropLayers { reply, .. }
+            | Command::SetBudget { reply, .. }
+            | Command::Park { reply } => {
                 let _ = reply.send(Err(unsupported("loading or dropping layers")));
             }
             Command::SetProbe { .. } => {}
@@ -265,6 +268,7 @@ pub(crate) fn stats_of(shape: &Shape, running: usize, waiting: usize) -> EngineS
             kv_free_bytes: 0,
             workspace_bytes: 0,
             in_use_bytes: weights,
+            kv_to_finish_bytes: 0,
         },
         block_tokens: 0,
         block_bytes: 0,

@@ -52,6 +52,12 @@ enum Op {
     Depth {
         d: usize,
     },
+    /// A budget of the starting one plus `extra` blocks (growing or shrinking the pool).
+    Budget {
+        extra: u64,
+    },
+    /// Park the engine (refused while requests are in it).
+    Park,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -63,6 +69,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (1usize..=N_LAYERS, any::<bool>()).prop_map(|(upto, raise)| Op::Load { upto, raise }),
         1 => (1usize..=N_LAYERS).prop_map(|keep| Op::Drop { keep }),
         1 => (1usize..=N_LAYERS).prop_map(|d| Op::Depth { d }),
+        1 => (0u64..=8).prop_map(|extra| Op::Budget { extra }),
+        1 => Just(Op::Park),
     ]
 }
 
@@ -80,6 +88,7 @@ fn tokens(seed: u32, n: usize) -> Vec<u32> {
 struct World {
     core: EngineCore,
     budget: MemoryBudget,
+    start_budget: u64,
     workspace: u64,
     block_bytes: u64,
     families: [Vec<u32>; 3],
@@ -116,6 +125,7 @@ impl World {
         Self {
             core: EngineCore::new(half, vec![0], cfg).expect("engine"),
             budget: MemoryBudget::new(budget),
+            start_budget: budget,
             workspace,
             block_bytes,
             families: [tokens(1, 32), tokens(2, 32), tokens(3, 32)],
@@ -177,6 +187,7 @@ impl World {
                         self.live.insert(id);
                     }
                     Err(EngineError::PromptExceedsMemory { .. }) => self.refused += 1,
+                    Err(EngineError::Parked) => assert!(self.core.is_parked()),
                     Err(e) => panic!("unexpected refusal: {e}"),
                 }
             }
@@ -212,6 +223,26 @@ impl World {
                 assert_eq!(self.core.resident_layers(), keep.min(before));
                 assert!(self.core.depth() <= keep);
             }
+            Op::Budget { extra } => {
+                let bytes = self.start_budget + extra * self.block_bytes;
+                self.core.set_budget(bytes).expect("above the weights");
+                self.budget = MemoryBudget::new(bytes);
+            }
+            Op::Park => match self.core.park() {
+                Ok(_) => {
+                    assert!(self.core.is_parked());
+                    assert_eq!(self.core.resident_layers(), 0);
+                }
+                Err(e) => {
+                    assert!(self.core.has_work(), "{e}");
+                    assert!(
+                        e.to_string().starts_with(
+                            "invalid engine configuration: cannot park an engine that holds"
+                        ),
+                        "{e}"
+                    );
+                }
+            },
             Op::Depth { d } => match self.core.set_depth(d) {
                 Ok(()) => assert_eq!(self.core.depth(), d),
                 Err(EngineError::DepthNotResident { .. }) => {
@@ -229,16 +260,23 @@ impl World {
         usage.check().expect("inside the budget");
         let weights = core.model().resident_bytes().total() as u64;
         assert_eq!(usage.weights, weights);
-        assert_eq!(usage.workspace, self.workspace);
         let sched = core.scheduler();
         let pool = sched.pool();
         assert_eq!(pool.used_blocks() + pool.free_blocks(), pool.total_blocks());
-        // The pool is exactly what the budget leaves beside the weights and the workspace.
-        let plan = self
-            .budget
-            .plan(weights, self.workspace, self.block_bytes)
-            .expect("plan");
-        assert_eq!(pool.total_blocks(), plan.kv_blocks);
+        if core.is_parked() {
+            // Nothing but the final norm: no layer, no pool, no workspace.
+            assert_eq!(weights, core.model().spec().d_model as u64 * 4);
+            assert_eq!(usage.workspace, 0);
+            assert_eq!(pool.total_blocks(), 0);
+        } else {
+            assert_eq!(usage.workspace, self.workspace);
+            // The pool is exactly what the budget leaves beside the weights and the workspace.
+            let plan = self
+                .budget
+                .plan(weights, self.workspace, self.block_bytes)
+                .expect("plan");
+            assert_eq!(pool.total_blocks(), plan.kv_blocks);
+        }
         // Used blocks = blocks sequences own + blocks the prefix cache holds (shared or not).
         let depth = core.depth();
         let mut owned = 0;
@@ -371,4 +409,117 @@ fn scripted_run_takes_every_path() {
     assert!(s.prefix_cache_hit_tokens > 0);
     assert_eq!(s.counters.largest_step_tokens, 32);
     assert_eq!(w.ended.len(), 4);
+}
+
+/// A budget moves between steps: the pool grows into it and shrinks back (preempting when the
+/// running sequences hold more than is left), and a budget below the resident weights plus
+/// the workspace is refused with the figures.
+#[test]
+fn the_budget_moves_between_steps() {
+    let mut w = World::new();
+    let blocks = w.core.scheduler().pool().total_blocks();
+    w.apply(&Op::Budget { extra: 8 });
+    w.check();
+    assert_eq!(w.core.scheduler().pool().total_blocks(), blocks + 8);
+    for seed in 0..4 {
+        w.apply(&Op::Add {
+            family: 0,
+            len: 100,
+            max: 30,
+            seed,
+        });
+    }
+    w.apply(&Op::Step { n: 4 });
+    w.check();
+    w.apply(&Op::Budget { extra: 0 });
+    w.check();
+    assert_eq!(w.core.scheduler().pool().total_blocks(), blocks);
+    w.drain();
+    let floor = w.core.weights_bytes() + w.workspace;
+    let err = w.core.set_budget(floor - 1).expect_err("below the weights");
+    assert!(
+        err.to_string().contains(&format!(
+            "below the resident weights and the workspace ({floor} bytes)"
+        )),
+        "{err}"
+    );
+    w.core.set_budget(floor).expect("exactly the weights");
+    assert_eq!(w.core.scheduler().pool().total_blocks(), 0);
+}
+
+/// A parked engine holds no layer, embedding, head, pool or workspace and refuses requests;
+/// loading its layers holds everything again and it answers as before.
+#[test]
+fn a_parked_engine_holds_nothing_and_comes_back() {
+    let mut w = World::new();
+    let greedy = |w: &mut World, id: u64| {
+        let prompt = w.families[1].clone();
+        w.core
+            .add_request(
+                RequestId(id),
+                EngineRequest {
+                    prompt,
+                    params: SamplingParams {
+                        ignore_eos: true,
+                        ..SamplingParams::greedy(6)
+                    },
+                },
+            )
+            .expect("added");
+        let mut out = Vec::new();
+        while w.core.has_work() {
+            out.extend(w.core.step().outputs.into_iter().filter_map(|o| o.token));
+        }
+        out
+    };
+    w.apply(&Op::Load {
+        upto: 4,
+        raise: true,
+    });
+    let before = greedy(&mut w, 900);
+    assert_eq!(before.len(), 6);
+    w.apply(&Op::Add {
+        family: 0,
+        len: 20,
+        max: 3,
+        seed: 1,
+    });
+    // 20 prompt tokens and 3 to generate, at depth 4: two blocks per layer to finish.
+    let blocks = 23usize.div_ceil(BLOCK_TOKENS) * 4;
+    assert_eq!(
+        w.core.stats().memory.kv_to_finish_bytes,
+        blocks as u64 * w.block_bytes
+    );
+    let err = w.core.park().expect_err("a request is queued").to_string();
+    assert_eq!(
+        err,
+        "invalid engine configuration: cannot park an engine that holds 1 requests"
+    );
+    w.drain();
+    let report = w.core.park().expect("idle");
+    assert!(report.pool_blocks_freed > 0);
+    w.check();
+    let m = w.core.stats().memory;
+    assert_eq!(
+        (m.kv_used_bytes + m.kv_free_bytes, m.workspace_bytes),
+        (0, 0)
+    );
+    let err = w
+        .core
+        .add_request(
+            RequestId(901),
+            EngineRequest {
+                prompt: vec![1, 2, 3],
+                params: SamplingParams::greedy(2),
+            },
+        )
+        .expect_err("parked");
+    assert!(matches!(err, EngineError::Parked), "{err}");
+    w.apply(&Op::Load {
+        upto: 4,
+        raise: true,
+    });
+    w.check();
+    assert!(!w.core.is_parked());
+    assert_eq!(greedy(&mut w, 902), before);
 }

@@ -426,11 +426,17 @@ impl ExitHeads {
     /// model's final norm and LM head. At `depth == n_layers` this is the model's own output.
     pub fn logits(&self, model: &LayeredModel, depth: usize, hidden: &Tensor) -> Result<Tensor> {
         let _span = tracing::trace_span!("exit_logits", depth).entered();
+        Ok(model.lm_head(&self.normed(model, depth, hidden)?)?)
+    }
+
+    /// What [`ExitHeads::logits`] sends through the LM head: the head at `depth` (none at
+    /// full depth), then the model's final norm.
+    pub fn normed(&self, model: &LayeredModel, depth: usize, hidden: &Tensor) -> Result<Tensor> {
         if depth == model.n_layers() {
-            return Ok(model.logits(hidden)?);
+            return Ok(model.final_norm(hidden)?);
         }
         let h = self.head(depth)?.translate(hidden)?;
-        Ok(model.lm_head(&model.final_norm(&h)?)?)
+        Ok(model.final_norm(&h)?)
     }
 
     /// Checks that these heads fit `model` (layer count, width, vocabulary).

@@ -1,13 +1,16 @@
 //! Shadow scoring: what each candidate would make of the live traffic, measured without
 //! serving it.
 //!
-//! A [`ShadowScorer`] holds one candidate's embedding, final norm, LM head and exit heads, and
-//! no layer. To score a batch of texts it streams the layers through the layered model's
-//! load/forward/drop seam: layer `l` is loaded, the whole batch runs through it (teacher
-//! forcing: every text is a prefill, nothing is sampled), its K/V are freed and the layer is
-//! dropped before layer `l + 1` is loaded. So scoring needs one layer plus the batch's hidden
-//! states, whatever the model's size. At every exit depth on the way up (and at full depth)
-//! the hidden states go through that depth's exit head, which gives, from one pass:
+//! A [`ShadowScorer`] holds one candidate's final norm and exit heads, and no layer, token
+//! embedding or LM head. To score a batch of texts it streams the model through the layered
+//! model's load/forward/drop seam: each token's embedding row is read from the file; layer
+//! `l` is loaded, the whole batch runs through it (teacher forcing: every text is a prefill,
+//! nothing is sampled), its K/V are freed and the layer is dropped before layer `l + 1` is
+//! loaded; and at every exit depth on the way up (and at full depth) the hidden states go
+//! through that depth's exit head and then the LM head one slice of the vocabulary at a
+//! time, each row's softmax folded slice by slice ([`RowFold`]). So scoring needs one layer
+//! or one head slice plus the batch's hidden states, whatever the model's size, and gives,
+//! from one pass:
 //!
 //! * bits per byte of the same text at every depth: the quality per depth, measured on the
 //!   text every other candidate scores too (bytes, not tokens, so it is fair across
@@ -29,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use serde::Serialize;
-use switchyard_exits::confidence::{passes, ConfidenceMeasure};
+use switchyard_exits::confidence::{passes, ConfidenceMeasure, TokenStats};
 use switchyard_exits::ExitHeads;
 use switchyard_models::{DenseKv, ForwardBatch, LayeredModel, LoadOptions, SeqChunk, SeqKv};
 use switchyard_tokenizer::Tokenizer;
@@ -38,10 +41,10 @@ use switchyard_weights::WeightSource;
 use crate::manifest::{ExitHeadsKind, ModelEntry};
 
 use crate::pht::ExitHistogram;
-use crate::profile::nll_and_stats;
 use crate::{HeliosError, Result};
 
-/// Rows sent through an exit head at once (bounds the logits buffer to rows × vocab f32).
+/// Rows sent through a slice of the LM head at once (bounds the logits buffer to rows ×
+/// [`switchyard_models::HEAD_SLICE_ROWS`] f32).
 const HEAD_ROWS: usize = 256;
 
 /// One text to score: a prompt, and the answer that followed it where the trace has one.
@@ -115,6 +118,8 @@ pub struct ShadowScore {
     /// The most layers resident at once while scoring, and their bytes.
     pub peak_layers_resident: usize,
     pub peak_layer_bytes: usize,
+    /// The most bytes of the LM head held at once (one vocabulary slice).
+    pub peak_head_bytes: usize,
     /// The most bytes of hidden states and K/V held at once for the batch.
     pub peak_activation_bytes: usize,
 }
@@ -166,6 +171,86 @@ pub struct ScoreSettings {
     /// Most bytes of each prompt and each reference scored (cut at a character boundary, the
     /// same text for every candidate).
     pub max_text_bytes: usize,
+}
+
+/// One row's softmax over the vocabulary, folded one slice at a time: the running maximum
+/// and Σ exp(logit − maximum), the second largest logit and the target's logit. Finishes to
+/// the same negative log-likelihood and top-two statistics as a pass over the whole row.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowFold {
+    max: f32,
+    argmax: u32,
+    second: f32,
+    /// Σ exp(l − max) over the logits seen.
+    sum: f64,
+    target: u32,
+    target_logit: Option<f32>,
+}
+
+impl RowFold {
+    pub fn new(target: u32) -> Self {
+        Self {
+            max: f32::NEG_INFINITY,
+            argmax: 0,
+            second: f32::NEG_INFINITY,
+            sum: 0.0,
+            target,
+            target_logit: None,
+        }
+    }
+
+    /// Folds the logits of token ids `first..first + logits.len()`.
+    pub fn add(&mut self, first: usize, logits: &[f32]) {
+        let slice_max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if slice_max > self.max && self.max.is_finite() {
+            // The sum so far was relative to the old maximum.
+            self.sum *= (f64::from(self.max) - f64::from(slice_max)).exp();
+        }
+        for (i, &l) in logits.iter().enumerate() {
+            self.top(first + i, l);
+        }
+        let m = f64::from(self.max);
+        self.sum += logits
+            .iter()
+            .map(|&l| (f64::from(l) - m).exp())
+            .sum::<f64>();
+        let t = self.target as usize;
+        if (first..first + logits.len()).contains(&t) {
+            self.target_logit = Some(logits[t - first]);
+        }
+    }
+
+    fn top(&mut self, id: usize, l: f32) {
+        if l > self.max {
+            self.second = self.max;
+            self.max = l;
+            self.argmax = id as u32;
+        } else if l > self.second {
+            self.second = l;
+        }
+    }
+
+    /// `-ln p(target)` (infinite when the target was never seen) and the top two.
+    pub fn finish(&self) -> (f64, TokenStats) {
+        let max = f64::from(self.max);
+        let z = self.sum;
+        let nll = match self.target_logit {
+            Some(l) => z.ln() + max - f64::from(l),
+            None => f64::INFINITY,
+        };
+        let p1 = 1.0 / z;
+        let p2 = if self.second.is_finite() {
+            (f64::from(self.second) - max).exp() / z
+        } else {
+            0.0
+        };
+        let stats = TokenStats {
+            argmax: self.argmax,
+            max_prob: p1 as f32,
+            margin: (p1 - p2) as f32,
+        };
+        (nll, stats)
+    }
 }
 
 /// One candidate's scorer: the model with no layer resident, its tokenizer and exit heads.
@@ -234,8 +319,8 @@ impl ShadowScorer {
         Self::new(&entry.name, model, tokenizer, heads)
     }
 
-    /// `model` must hold no layer (load it with `LoadOptions { layers: Some(0), .. }`): the
-    /// scorer streams them. `heads` are the candidate's exit heads, row-wise.
+    /// `model` is best loaded with no layer (`LoadOptions { layers: Some(0), .. }`): the
+    /// scorer drops its layers, embedding and head, and streams them. `heads` are the candidate's exit heads, row-wise.
     pub fn new(
         name: &str,
         mut model: LayeredModel,
@@ -246,6 +331,7 @@ impl ShadowScorer {
         for l in model.resident_layers() {
             model.drop_layer(l);
         }
+        model.drop_io();
         let n = model.n_layers();
         let mut depths: Vec<usize> = heads.depths().into_iter().filter(|&d| d < n).collect();
         depths.push(n);
@@ -266,7 +352,7 @@ impl ShadowScorer {
         &self.depths
     }
 
-    /// Bytes it holds between batches (embedding, final norm, LM head, exit heads).
+    /// Bytes it holds between batches (the final norm and the exit heads).
     pub fn resident_bytes(&self) -> usize {
         self.model.resident_bytes().total()
             + self.heads.iter().map(|(_, h)| h.bytes()).sum::<usize>()
@@ -303,6 +389,7 @@ impl ShadowScorer {
             wall_s: 0.0,
             peak_layers_resident: 0,
             peak_layer_bytes: 0,
+            peak_head_bytes: 0,
             peak_activation_bytes: 0,
         };
         for s in &seqs {
@@ -348,11 +435,14 @@ impl ShadowScorer {
                 kv.clear_layer(l);
             }
             self.model.drop_layer(l);
+            pause(throttle, &mut work);
             if self.depths.get(next_depth) == Some(&(l + 1)) {
-                self.read_depth(next_depth, &h, &seqs, settings, &mut out, &mut exit_at)?;
+                let folds = self.read_depth(next_depth, &h, &seqs, &mut out, &mut |_| {
+                    pause(throttle, &mut work)
+                })?;
+                self.record_depth(next_depth, &folds, &seqs, settings, &mut out, &mut exit_at);
                 next_depth += 1;
             }
-            pause(throttle, &mut work);
         }
         for (s, r) in seqs.iter().zip(row_ranges(&seqs)) {
             for e in &exit_at[r.start..r.start + s.prompt_targets] {
@@ -366,44 +456,76 @@ impl ShadowScorer {
         Ok(out)
     }
 
-    /// Reads depth `self.depths[i]`: each row's NLL of its target into the prompt's or the
-    /// reference's nats, and the exit histogram.
+    /// Folds each row's softmax at depth `self.depths[i]`: the exit head and the final norm
+    /// over the batch, then the LM head one vocabulary slice at a time over `HEAD_ROWS` rows
+    /// at a time. `after_slice` runs after each slice (the throttle's pause).
     fn read_depth(
         &self,
         i: usize,
         h: &Tensor,
         seqs: &[Tokenized],
+        out: &mut ShadowScore,
+        after_slice: &mut dyn FnMut(usize),
+    ) -> Result<Vec<RowFold>> {
+        let d = self.depths[i];
+        let normed = self.heads.normed(&self.model, d, h)?;
+        let rows = normed.dims()[0];
+        let mut folds: Vec<RowFold> = Vec::with_capacity(rows);
+        for (s, range) in seqs.iter().zip(row_ranges(seqs)) {
+            folds.extend((0..range.len()).map(|at| RowFold::new(s.ids[at + 1])));
+        }
+        let starts: Vec<usize> = (0..rows).step_by(HEAD_ROWS).collect();
+        let parts = starts
+            .iter()
+            .map(|&r| normed.narrow(0, r, HEAD_ROWS.min(rows - r)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let last = parts.len().saturating_sub(1);
+        let logits_bytes = HEAD_ROWS.min(rows) * switchyard_models::HEAD_SLICE_ROWS * 4;
+        let held = normed.elem_count() * 4 + logits_bytes;
+        out.peak_activation_bytes = out.peak_activation_bytes.max(held);
+        let peak = self.model.lm_head_slices(&parts, |part, first, logits| {
+            let logits: Vec<Vec<f32>> = logits.to_vec2()?;
+            for (k, row) in logits.iter().enumerate() {
+                folds[starts[part] + k].add(first, row);
+            }
+            if part == last {
+                after_slice(first);
+            }
+            Ok(())
+        })?;
+        out.peak_head_bytes = out.peak_head_bytes.max(peak);
+        Ok(folds)
+    }
+
+    /// Adds the folded rows at depth `self.depths[i]`: each row's NLL of its target into the
+    /// prompt's or the reference's nats, and the first passing depth of each prompt target.
+    fn record_depth(
+        &self,
+        i: usize,
+        folds: &[RowFold],
+        seqs: &[Tokenized],
         settings: &ScoreSettings,
         out: &mut ShadowScore,
         exit_at: &mut [Option<usize>],
-    ) -> Result<()> {
+    ) {
         let d = self.depths[i];
         let full = d == self.model.n_layers();
         for (s, range) in seqs.iter().zip(row_ranges(seqs)) {
-            let mut r = range.start;
-            while r < range.end {
-                let n = HEAD_ROWS.min(range.end - r);
-                let logits = self.heads.logits(&self.model, d, &h.narrow(0, r, n)?)?;
-                let logits: Vec<Vec<f32>> = logits.to_vec2()?;
-                for (k, row) in logits.iter().enumerate() {
-                    let at = r + k - range.start;
-                    let (nll, stats) = nll_and_stats(row, s.ids[at + 1]);
-                    if at < s.prompt_targets {
-                        out.prompt.nats[i].1 += nll;
-                        let slot = &mut exit_at[r + k];
-                        if slot.is_none()
-                            && (full || passes(settings.measure.of(&stats), settings.threshold))
-                        {
-                            *slot = Some(d);
-                        }
-                    } else {
-                        out.reference.nats[i].1 += nll;
+            for (at, fold) in folds[range.clone()].iter().enumerate() {
+                let (nll, stats) = fold.finish();
+                if at < s.prompt_targets {
+                    out.prompt.nats[i].1 += nll;
+                    let slot = &mut exit_at[range.start + at];
+                    if slot.is_none()
+                        && (full || passes(settings.measure.of(&stats), settings.threshold))
+                    {
+                        *slot = Some(d);
                     }
+                } else {
+                    out.reference.nats[i].1 += nll;
                 }
-                r += n;
             }
         }
-        Ok(())
     }
 
     fn tokenize(&self, texts: &[ShadowText], max_bytes: usize) -> Result<Vec<Tokenized>> {
@@ -495,6 +617,38 @@ mod tests {
         assert_eq!(full.after(Duration::from_millis(5)), Duration::ZERO);
         assert_eq!(full.share_used(), 1.0);
         assert_eq!(Throttle::new(0.5).share_used(), 0.0);
+    }
+
+    /// Folding a row slice by slice gives what one pass over the whole row gives.
+    #[test]
+    fn a_folded_row_equals_the_whole_row() {
+        let row: Vec<f32> = (0..1000)
+            .map(|i| ((i * 7919 % 1009) as f32 / 50.0 - 10.0) * if i % 3 == 0 { 1.5 } else { 1.0 })
+            .collect();
+        for target in [0u32, 17, 999] {
+            let (want_nll, want) = crate::profile::nll_and_stats(&row, target);
+            for slice in [1000, 333, 64, 1] {
+                let mut f = RowFold::new(target);
+                for (k, chunk) in row.chunks(slice).enumerate() {
+                    f.add(k * slice, chunk);
+                }
+                let (nll, got) = f.finish();
+                assert!(
+                    (nll - want_nll).abs() < 1e-9,
+                    "slice {slice}: {nll} vs {want_nll}"
+                );
+                assert_eq!(got.argmax, want.argmax);
+                assert!((got.max_prob - want.max_prob).abs() < 1e-6);
+                assert!((got.margin - want.margin).abs() < 1e-6);
+            }
+        }
+        let mut f = RowFold::new(5000);
+        f.add(0, &row);
+        assert_eq!(
+            f.finish().0,
+            f64::INFINITY,
+            "a target outside the vocabulary"
+        );
     }
 
     #[test]

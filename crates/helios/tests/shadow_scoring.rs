@@ -132,6 +132,11 @@ fn shadow_scores_equal_eval_ppl_and_the_resident_model() {
     assert_eq!(alone.peak_layers_resident, 1, "one layer at a time");
     let largest = (0..30).map(|l| full.layer_bytes(l)).max().expect("layers");
     assert_eq!(alone.peak_layer_bytes, largest);
+    // The tied embedding is the head: 49,152 rows read in six slices of 8,192, one at a
+    // time; between batches the scorer holds the final norm (576 f32) and nothing else.
+    let head = full.resident_bytes().embedding;
+    assert_eq!(alone.peak_head_bytes * 6, head);
+    assert_eq!(s.resident_bytes(), 576 * 4);
     assert!(alone.peak_activation_bytes > 0);
     assert_eq!(alone.exits.total(), alone.prompt.tokens);
     assert!(

@@ -1,6 +1,8 @@
 //! The pieces transformer blocks are built from (norm, self-attention, gated MLP) and the
 //! [`Block`] trait each architecture implements.
 
+use std::ops::Range;
+
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use switchyard_kernels::QLinear;
@@ -114,16 +116,31 @@ pub struct TensorLoader<'a> {
 impl TensorLoader<'_> {
     /// Loads `name` (and `bias`, when the file has it) as a linear layer.
     pub fn linear(&self, name: &str, bias: Option<&str>) -> Result<QLinear> {
-        self.linear_as(name, bias, false)
+        self.linear_as(name, bias, false, None)
     }
 
     /// Loads `name` as the LM head (which a 4-bit format keeps at 8 bits).
     pub fn head(&self, name: &str) -> Result<QLinear> {
-        self.linear_as(name, None, true)
+        self.linear_as(name, None, true, None)
     }
 
-    fn linear_as(&self, name: &str, bias: Option<&str>, head: bool) -> Result<QLinear> {
-        let w = self.src.load(name, self.device)?;
+    /// Rows `rows` of the LM head `name` (a slice of the vocabulary), held as
+    /// [`TensorLoader::head`] holds the whole: the same logits for those rows.
+    pub fn head_rows(&self, name: &str, rows: Range<usize>) -> Result<QLinear> {
+        self.linear_as(name, None, true, Some(rows))
+    }
+
+    fn linear_as(
+        &self,
+        name: &str,
+        bias: Option<&str>,
+        head: bool,
+        rows: Option<Range<usize>>,
+    ) -> Result<QLinear> {
+        let w = match rows {
+            None => self.src.load(name, self.device)?,
+            Some(r) => self.src.load_rows(name, r, self.device)?,
+        };
         let b = match bias {
             Some(b) if self.src.tensor_meta(b).is_some() => Some(self.vector(b)?),
             _ => None,

@@ -18,7 +18,9 @@ pub mod rope;
 pub use block::{QuantTarget, TensorLoader, WeightFormat};
 pub use config::ArchConfig;
 pub use kv::{DenseKv, KvChunk, SeqKv};
-pub use model::{ForwardBatch, LayeredModel, LoadOptions, ResidentBytes, SeqChunk};
+pub use model::{
+    ForwardBatch, LayeredModel, LoadOptions, ResidentBytes, SeqChunk, HEAD_SLICE_ROWS,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {

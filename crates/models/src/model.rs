@@ -86,14 +86,19 @@ pub struct LayeredModel {
     cfg: ArchConfig,
     device: Device,
     format: WeightFormat,
-    /// Token embeddings, in their stored type (lookups dequantize exactly).
-    embedding: QLinear,
+    /// Token embeddings, in their stored type (lookups dequantize exactly); `None` after
+    /// [`LayeredModel::drop_io`], when lookups read their rows from the source.
+    embedding: Option<QLinear>,
     /// Whether `head` shares the embedding's weight.
     head_is_embedding: bool,
     layers: Vec<Option<Arc<dyn Block>>>,
     final_norm: RmsNorm,
-    head: QLinear,
+    /// `None` after [`LayeredModel::drop_io`], when the head is read in vocabulary slices.
+    head: Option<QLinear>,
 }
+
+/// Vocabulary rows of the LM head read at once when it is streamed from the source.
+pub const HEAD_SLICE_ROWS: usize = 8192;
 
 impl std::fmt::Debug for LayeredModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -103,6 +108,20 @@ impl std::fmt::Debug for LayeredModel {
             .field("resident_layers", &self.resident_layers())
             .finish()
     }
+}
+
+/// The token embedding and the LM head of `ld`'s source, and whether the head is the
+/// embedding's own weight (tied, as stored).
+fn load_io(ld: &TensorLoader<'_>, format: WeightFormat) -> Result<(QLinear, QLinear, bool)> {
+    let spec = ld.src.spec();
+    let embedding = QLinear::new(ld.src.load(names::TOKEN_EMBD, ld.device)?, None)?;
+    let head_is_embedding = spec.tied_embeddings && format == WeightFormat::AsStored;
+    let head = match (spec.tied_embeddings, head_is_embedding) {
+        (_, true) => embedding.clone(),
+        (true, false) => ld.head(names::TOKEN_EMBD)?,
+        (false, _) => ld.head(names::OUTPUT)?,
+    };
+    Ok((embedding, head, head_is_embedding))
 }
 
 /// Architecture defaults for a spec.
@@ -146,13 +165,7 @@ impl LayeredModel {
             device,
             format: opts.format,
         };
-        let embedding = QLinear::new(source.load(names::TOKEN_EMBD, device)?, None)?;
-        let head_is_embedding = spec.tied_embeddings && opts.format == WeightFormat::AsStored;
-        let head = match (spec.tied_embeddings, head_is_embedding) {
-            (_, true) => embedding.clone(),
-            (true, false) => ld.head(names::TOKEN_EMBD)?,
-            (false, _) => ld.head(names::OUTPUT)?,
-        };
+        let (embedding, head, head_is_embedding) = load_io(&ld, opts.format)?;
         let final_norm = ld.norm(names::OUTPUT_NORM)?;
         let n = opts.layers.unwrap_or(spec.n_layers).min(spec.n_layers);
         let mut layers: Vec<Option<Arc<dyn Block>>> = vec![None; spec.n_layers];
@@ -165,11 +178,36 @@ impl LayeredModel {
             source,
             cfg,
             device: device.clone(),
-            embedding,
+            embedding: Some(embedding),
             layers,
             final_norm,
-            head,
+            head: Some(head),
         })
+    }
+
+    /// Frees the token embedding and the LM head (the final norm stays). With its layers
+    /// dropped too, the model holds almost nothing: an engine that does not serve, or a
+    /// scorer between batches. [`LayeredModel::embed`] then reads each token's row from the
+    /// source, and the head is read in slices of [`HEAD_SLICE_ROWS`] vocabulary rows
+    /// ([`LayeredModel::lm_head_slices`]); [`LayeredModel::load_io`] holds them again.
+    pub fn drop_io(&mut self) {
+        self.embedding = None;
+        self.head = None;
+    }
+
+    /// Holds the token embedding and the LM head again (after [`LayeredModel::drop_io`]).
+    pub fn load_io(&mut self) -> Result<()> {
+        if self.embedding.is_none() || self.head.is_none() {
+            let (embedding, head, _) = load_io(&self.loader(), self.format)?;
+            self.embedding = Some(embedding);
+            self.head = Some(head);
+        }
+        Ok(())
+    }
+
+    /// Whether the embedding and the LM head are held (see [`LayeredModel::drop_io`]).
+    pub fn io_resident(&self) -> bool {
+        self.embedding.is_some() && self.head.is_some()
     }
 
     pub fn config(&self) -> &ArchConfig {
@@ -261,13 +299,12 @@ impl LayeredModel {
 
     pub fn resident_bytes(&self) -> ResidentBytes {
         let head = self.final_norm.bytes()
-            + if self.head_is_embedding {
-                0
-            } else {
-                self.head.resident_bytes()
+            + match &self.head {
+                Some(h) if !self.head_is_embedding => h.resident_bytes(),
+                _ => 0,
             };
         ResidentBytes {
-            embedding: self.embedding.resident_bytes(),
+            embedding: self.embedding.as_ref().map_or(0, QLinear::resident_bytes),
             head,
             layers: self
                 .layers
@@ -284,7 +321,10 @@ impl LayeredModel {
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(ModelError::TokenOutOfRange { id, vocab });
         }
-        let x = self.embedding.rows(tokens)?;
+        let x = match &self.embedding {
+            Some(e) => e.rows(tokens)?,
+            None => self.streamed_rows(tokens)?,
+        };
         Ok(match self.cfg.embed_scale {
             Some(s) => (x * s as f64)?,
             None => x,
@@ -373,7 +413,79 @@ impl LayeredModel {
     /// The LM head on already-normed states.
     pub fn lm_head(&self, normed: &Tensor) -> Result<Tensor> {
         let _span = tracing::trace_span!("lm_head").entered();
-        Ok(self.head.forward(normed)?)
+        match &self.head {
+            Some(h) => Ok(h.forward(normed)?),
+            None => {
+                let mut slices = Vec::new();
+                self.lm_head_slices(std::slice::from_ref(normed), |_, _, logits| {
+                    slices.push(logits);
+                    Ok(())
+                })?;
+                Ok(Tensor::cat(&slices, 1)?)
+            }
+        }
+    }
+
+    /// The LM head over each of `parts` (already-normed states), one slice of the vocabulary
+    /// at a time: `each(part, first_token_id, logits [rows, slice])`, slices in vocabulary
+    /// order. When the head is held that is one call per part over the whole vocabulary;
+    /// when it is not (see [`LayeredModel::drop_io`]) each slice of [`HEAD_SLICE_ROWS`] rows
+    /// is read from the source, run over every part and freed, so a pass needs one slice of
+    /// the head and one part's slice of logits. Returns the most bytes of head held at once.
+    pub fn lm_head_slices(
+        &self,
+        parts: &[Tensor],
+        mut each: impl FnMut(usize, usize, Tensor) -> Result<()>,
+    ) -> Result<usize> {
+        if let Some(h) = &self.head {
+            for (i, p) in parts.iter().enumerate() {
+                each(i, 0, h.forward(p)?)?;
+            }
+            return Ok(h.resident_bytes());
+        }
+        let vocab = self.spec().vocab_size;
+        let ld = self.loader();
+        let name = self.head_name();
+        let (mut start, mut peak) = (0, 0);
+        while start < vocab {
+            let end = (start + HEAD_SLICE_ROWS).min(vocab);
+            let slice = ld.head_rows(name, start..end)?;
+            peak = peak.max(slice.resident_bytes());
+            for (i, p) in parts.iter().enumerate() {
+                each(i, start, slice.forward(p)?)?;
+            }
+            start = end;
+        }
+        Ok(peak)
+    }
+
+    fn head_name(&self) -> &'static str {
+        if self.spec().tied_embeddings {
+            names::TOKEN_EMBD
+        } else {
+            names::OUTPUT
+        }
+    }
+
+    /// Embedding rows of `tokens` read from the source one token at a time (the embedding is
+    /// not held), dequantized as the held embedding would be.
+    fn streamed_rows(&self, tokens: &[u32]) -> Result<Tensor> {
+        let mut rows = Vec::with_capacity(tokens.len());
+        for &t in tokens {
+            let t = t as usize;
+            let row = self
+                .source
+                .load_rows(names::TOKEN_EMBD, t..t + 1, &self.device)?;
+            rows.push(QLinear::new(row, None)?.rows(&[0])?);
+        }
+        if rows.is_empty() {
+            return Ok(Tensor::zeros(
+                (0, self.spec().d_model),
+                DType::F32,
+                &self.device,
+            )?);
+        }
+        Ok(Tensor::cat(&rows, 0)?)
     }
 
     /// The final norm's scale (f32) and epsilon.
@@ -384,14 +496,9 @@ impl LayeredModel {
     /// The LM head's matrix dequantized to dense f32, `[vocab, d_model]`: the frozen
     /// projection that exit-head training differentiates through.
     pub fn lm_head_f32(&self) -> Result<Tensor> {
-        let name = if self.spec().tied_embeddings {
-            names::TOKEN_EMBD
-        } else {
-            names::OUTPUT
-        };
         Ok(self
             .source
-            .load(name, &self.device)?
+            .load(self.head_name(), &self.device)?
             .dequantize(&self.device)?
             .to_dtype(DType::F32)?)
     }

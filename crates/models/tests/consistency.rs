@@ -213,3 +213,54 @@ fn kv_only_write_equals_the_full_blocks_kv() {
         }
     }
 }
+
+/// With the embedding and the LM head dropped, lookups and the head are read from the
+/// source (the head in vocabulary slices): the same logits, and only the final norm held.
+#[test]
+fn streamed_embedding_and_head_give_the_held_logits() {
+    for arch in [Architecture::Llama, Architecture::Qwen2] {
+        let mut spec = SyntheticSource::tiny_spec(arch);
+        // Three slices of the head, the last one short.
+        spec.vocab_size = 2 * switchyard_models::HEAD_SLICE_ROWS + 100;
+        let src: Arc<dyn WeightSource> =
+            Arc::new(SyntheticSource::new(spec, 5, GgmlDType::Q8_0).unwrap());
+        let mut m = LayeredModel::load(src, &LoadOptions::default()).unwrap();
+        let tokens: Vec<u32> = (0..24).map(|i| (i * 1009 + 3) % 16_484).collect();
+        let held = logits_one_shot(&m, &tokens);
+        let held_bytes = m.resident_bytes();
+        m.drop_io();
+        assert!(!m.io_resident());
+        let dropped = m.resident_bytes();
+        assert_eq!(dropped.embedding, 0, "{arch:?}");
+        assert_eq!(
+            dropped.head,
+            m.spec().d_model * 4,
+            "{arch:?}: the final norm only"
+        );
+        assert_eq!(dropped.layers, held_bytes.layers);
+        let streamed = logits_one_shot(&m, &tokens);
+        assert_eq!(streamed[0].len(), m.spec().vocab_size);
+        let d = max_diff(&held, &streamed);
+        assert_eq!(d, 0.0, "{arch:?}: max diff {d}");
+        let mut starts = Vec::new();
+        let h = m.embed(&tokens[..3]).unwrap();
+        let parts = [h.narrow(0, 0, 2).unwrap(), h.narrow(0, 2, 1).unwrap()];
+        let peak = m
+            .lm_head_slices(&parts, |part, start, logits| {
+                starts.push((part, start, logits.dims().to_vec()));
+                Ok(())
+            })
+            .unwrap();
+        let slice = switchyard_models::HEAD_SLICE_ROWS;
+        let want: Vec<(usize, usize, Vec<usize>)> = [(0, slice), (slice, slice), (2 * slice, 100)]
+            .into_iter()
+            .flat_map(|(start, n)| [(0, start, vec![2, n]), (1, start, vec![1, n])])
+            .collect();
+        assert_eq!(starts, want);
+        // One slice of 8,192 rows of 64 Q8_0 values (two 34-byte blocks each) at most.
+        assert!(peak > 0 && peak <= slice * 2 * 34 * 2, "{peak}");
+        m.load_io().unwrap();
+        assert_eq!(m.resident_bytes(), held_bytes);
+        assert_eq!(max_diff(&held, &logits_one_shot(&m, &tokens)), 0.0);
+    }
+}

@@ -202,6 +202,8 @@ impl Metrics {
             ("cbc_fired", c.cbc_fired),
             ("switch_drained", c.switch_drained),
             ("switch_moved", c.switch_moved),
+            ("shadow_round", c.shadow_rounds),
+            ("shadow_error", c.shadow_errors),
         ] {
             self.helios_decisions
                 .with_label_values(&[model, kind])
@@ -211,6 +213,7 @@ impl Metrics {
             ("profile", c.profile_seconds),
             ("extend", c.extend_seconds),
             ("switch", c.switch_seconds),
+            ("shadow_scoring", c.shadow_busy_seconds),
         ] {
             self.helios_seconds.with_label_values(&[model, kind]).set(v);
         }

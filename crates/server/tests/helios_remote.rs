@@ -50,7 +50,7 @@ admin = true
 name = "helios"
 manifest = "{}"
 memory_budget = "512MiB"
-policy = {{ eval_requests = 1, top_k = 2, threshold = 0.5 }}
+policy = {{ evaluation = "serial", eval_requests = 1, top_k = 2, threshold = 0.5 }}
 "#,
         manifest.display()
     )

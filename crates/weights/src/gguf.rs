@@ -141,27 +141,38 @@ impl GgufFile {
         })
     }
 
-    /// The raw bytes of a tensor, borrowed from the map.
-    pub fn raw(&self, name: &str) -> Result<&[u8]> {
+    /// A tensor's entry and its raw bytes, borrowed from the map.
+    fn entry(&self, name: &str) -> Result<(&GgufTensor, &[u8])> {
         let t = self
             .tensor_info(name)
             .ok_or_else(|| WeightsError::MissingTensor {
                 name: name.to_string(),
                 source_desc: self.path.display().to_string(),
             })?;
-        Ok(&self.mmap[t.offset..t.offset + t.n_bytes])
+        Ok((t, &self.mmap[t.offset..t.offset + t.n_bytes]))
+    }
+
+    /// The raw bytes of a tensor, borrowed from the map.
+    pub fn raw(&self, name: &str) -> Result<&[u8]> {
+        Ok(self.entry(name)?.1)
     }
 
     /// Copies one tensor out of the map into an owned candle tensor on `device`.
     pub fn load(&self, name: &str, device: &Device) -> Result<QTensor> {
-        let t = self
-            .tensor_info(name)
-            .ok_or_else(|| WeightsError::MissingTensor {
-                name: name.to_string(),
-                source_desc: self.path.display().to_string(),
-            })?;
-        let bytes = &self.mmap[t.offset..t.offset + t.n_bytes];
+        let (t, bytes) = self.entry(name)?;
         qtensor_from_bytes(bytes, t.dtype, &t.shape, device)
+    }
+
+    /// Copies rows `rows` of a matrix out of the map (only their bytes are read).
+    pub fn load_rows(
+        &self,
+        name: &str,
+        rows: std::ops::Range<usize>,
+        device: &Device,
+    ) -> Result<QTensor> {
+        let (t, bytes) = self.entry(name)?;
+        crate::rows_from_bytes(bytes, t.dtype, &t.shape, rows, device)
+            .map_err(|e| e.named(name, &self.path.display().to_string()))
     }
 }
 

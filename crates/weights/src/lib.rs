@@ -12,6 +12,7 @@ pub mod safetensors_dir;
 pub mod spec;
 pub mod synthetic;
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -195,6 +196,64 @@ pub trait WeightSource: Send + Sync + std::fmt::Debug {
     fn require(&self, name: &str) -> Result<QTensor> {
         self.load(name, &Device::Cpu)
     }
+
+    /// Rows `rows` (along the first dimension) of a matrix, in its stored type: what
+    /// streaming an embedding's lookups or an LM head in vocabulary chunks reads. The default
+    /// copies the whole tensor and keeps those rows; a source over a mapped file copies only
+    /// their bytes.
+    fn load_rows(&self, name: &str, rows: Range<usize>, device: &Device) -> Result<QTensor> {
+        let whole = self.load(name, device)?;
+        let data = whole.data()?;
+        rows_from_bytes(&data, whole.dtype(), whole.shape().dims(), rows, device)
+            .map_err(|e| e.named(name, &self.description()))
+    }
+}
+
+/// Rows `rows` of a row-major `[n, cols]` tensor of `dtype` whose bytes are `bytes`.
+pub fn rows_from_bytes(
+    bytes: &[u8],
+    dtype: GgmlDType,
+    shape: &[usize],
+    rows: Range<usize>,
+    device: &Device,
+) -> Result<QTensor> {
+    let bad = |detail: String| WeightsError::BadTensorShape {
+        path: PathBuf::new(),
+        name: String::new(),
+        detail,
+    };
+    let &[n, cols] = shape else {
+        return Err(bad(format!("rows of a {}-dimensional tensor", shape.len())));
+    };
+    if rows.start > rows.end || rows.end > n {
+        return Err(bad(format!("rows {rows:?} of a tensor of {n} rows")));
+    }
+    let row_bytes = gguf::tensor_bytes(dtype, &[1, cols]).ok_or_else(|| {
+        bad(format!(
+            "{cols} columns are not a whole number of {dtype:?} blocks"
+        ))
+    })?;
+    let (start, end) = (rows.start * row_bytes, rows.end * row_bytes);
+    let slice = bytes
+        .get(start..end)
+        .ok_or_else(|| bad(format!("{} bytes hold fewer than {n} rows", bytes.len())))?;
+    gguf::qtensor_from_bytes(slice, dtype, &[rows.len(), cols], device)
+}
+
+impl WeightsError {
+    /// Fills in the tensor and source of a shape error raised without them.
+    pub(crate) fn named(self, name: &str, source: &str) -> Self {
+        match self {
+            Self::BadTensorShape { path, detail, .. } if path.as_os_str().is_empty() => {
+                Self::BadTensorShape {
+                    path: PathBuf::from(source),
+                    name: name.to_string(),
+                    detail,
+                }
+            }
+            other => other,
+        }
+    }
 }
 
 /// Opens a GGUF file or a safetensors folder, whichever `path` is.
@@ -253,11 +312,83 @@ pub mod gguf_source {
         fn load(&self, name: &str, device: &Device) -> Result<QTensor> {
             self.file.load(name, device)
         }
+        fn load_rows(&self, name: &str, rows: Range<usize>, device: &Device) -> Result<QTensor> {
+            self.file.load_rows(name, rows, device)
+        }
         fn tokenizer_origin(&self) -> TokenizerOrigin {
             TokenizerOrigin::GgufMetadata
         }
         fn path(&self) -> Option<&Path> {
             Some(self.file.path())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Tensor;
+
+    /// Rows cut from a block-quantized matrix's bytes are the whole matrix's rows, bit for bit.
+    #[test]
+    fn rows_are_the_whole_matrix_rows() {
+        let dev = Device::Cpu;
+        let values: Vec<f32> = (0..8 * 64)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let t = Tensor::from_vec(values, (8, 64), &dev).expect("tensor");
+        for dtype in [
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::F16,
+            GgmlDType::F32,
+        ] {
+            // Q4_K blocks are 256 wide.
+            let cols = if dtype == GgmlDType::Q4K { 256 } else { 64 };
+            let t = t.reshape((8 * 64 / cols, cols)).expect("reshape");
+            let q = QTensor::quantize(&t, dtype).expect("quantize");
+            let n = t.dims()[0];
+            let data = q.data().expect("bytes");
+            let r = rows_from_bytes(&data, dtype, q.shape().dims(), 1..n, &dev).expect("rows");
+            assert_eq!(r.shape().dims(), &[n - 1, cols]);
+            let want = q
+                .dequantize(&dev)
+                .expect("whole")
+                .narrow(0, 1, n - 1)
+                .expect("narrow");
+            let got = r.dequantize(&dev).expect("rows");
+            let diff = (want - got).expect("sub").abs().expect("abs");
+            let max: f32 = diff
+                .flatten_all()
+                .expect("flat")
+                .max(0)
+                .expect("max")
+                .to_scalar()
+                .expect("scalar");
+            assert_eq!(max, 0.0, "{dtype:?}");
+        }
+    }
+
+    #[test]
+    fn rows_outside_the_matrix_are_refused() {
+        let dev = Device::Cpu;
+        let q = QTensor::quantize(
+            &Tensor::zeros((4, 32), candle_core::DType::F32, &dev).expect("t"),
+            GgmlDType::Q8_0,
+        )
+        .expect("quantize");
+        let data = q.data().expect("bytes");
+        let err = rows_from_bytes(&data, GgmlDType::Q8_0, &[4, 32], 2..5, &dev)
+            .expect_err("past the end")
+            .to_string();
+        assert!(err.contains("rows 2..5 of a tensor of 4 rows"), "{err}");
+        let err = rows_from_bytes(&data, GgmlDType::Q8_0, &[128], 0..1, &dev)
+            .expect_err("one dimension")
+            .to_string();
+        assert!(err.contains("rows of a 1-dimensional tensor"), "{err}");
+        let err = rows_from_bytes(&data[..40], GgmlDType::Q8_0, &[4, 32], 0..4, &dev)
+            .expect_err("short")
+            .to_string();
+        assert!(err.contains("40 bytes hold fewer than 4 rows"), "{err}");
     }
 }

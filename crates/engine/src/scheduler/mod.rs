@@ -561,6 +561,13 @@ impl Scheduler {
         own + self.cache.len() - self.cache.evictable_blocks()
     }
 
+    /// Blocks every sequence in the scheduler, running or waiting, will hold when each
+    /// reaches `max_tokens`, with each block shared through the prefix cache counted once.
+    pub fn blocks_to_finish(&self) -> usize {
+        let own: usize = self.seqs.values().map(|s| self.final_blocks(s)).sum();
+        own + self.cache.len() - self.cache.evictable_blocks()
+    }
+
     /// Attaches the cached full blocks of a waiting sequence's tokens; how many.
     fn attach_prefix(&mut self, id: RequestId) -> usize {
         let depth = self.depth;

@@ -121,7 +121,7 @@ impl ReferenceTable {
         let settings = ScoreSettings {
             threshold: 1.0,
             measure: switchyard_exits::ConfidenceMeasure::MaxProb,
-            max_text_bytes: 4096,
+            max_text_bytes: 2048,
         };
         let mut nats = BTreeMap::new();
         for c in candidates {

@@ -100,6 +100,9 @@ pub(super) struct State {
     tokens_per_request: f64,
     /// Shadow evaluation's state (`None` under serial evaluation).
     shadow: Option<Shadow>,
+    /// Shadow evaluation: the local engines' budgets together (what the caller gave them),
+    /// moved to whichever engine serves (see [`State::grant`]).
+    budget_total: u64,
 }
 
 /// The orchestrator's side of shadow evaluation: prompts sampled for the next round, the
@@ -143,7 +146,9 @@ fn run_scorer(
             .iter_mut()
             .map(|s| {
                 let out = s.score(&texts, &settings, &mut throttle)?;
-                peak = peak.max(out.peak_layer_bytes + out.peak_activation_bytes);
+                // A layer and a head slice are never held together.
+                let weights = out.peak_layer_bytes.max(out.peak_head_bytes);
+                peak = peak.max(weights + out.peak_activation_bytes);
                 Ok(out)
             })
             .collect();
@@ -211,24 +216,38 @@ impl State {
                 "no selected candidate has a local engine".into(),
             ));
         }
-        // Nothing is served before the first evaluation: every engine keeps one layer.
-        for e in &engines {
-            e.handle.drop_layers(1).wait()?;
+        let mut budget_total = 0;
+        if shadow_mode {
+            for e in engines.iter().filter(|e| !is_remote(&repo, &e.name)) {
+                budget_total += e.handle.stats().wait()?.memory.budget_bytes;
+            }
         }
-        let shadow = if shadow_mode {
-            Some(start_scorer(&repo, &policy, &candidates, scorers)?)
-        } else {
-            None
-        };
+        // Nothing is served before the first evaluation. Under serial evaluation every
+        // engine keeps one layer (each serves its block in turn); under shadow evaluation
+        // every engine is parked (no layer, embedding, head or KV pool) until it serves.
+        for e in &engines {
+            if shadow_mode {
+                e.handle.park().wait()?;
+            } else {
+                e.handle.drop_layers(1).wait()?;
+            }
+        }
         // Without a quality bound (and with the quality-bound depth rule) the choice is the
         // best point by offline speed at full depth, which no score can change: scoring
-        // would only take compute from serving.
+        // would only take compute and memory from serving, so the scorers are dropped.
         let scoring = shadow_mode
             && (policy.slo.max_bits_per_byte_increase.is_some()
                 || policy.config.depth_rule == crate::policy::DepthRule::Coverage);
         if shadow_mode && !scoring {
             tracing::info!("HELIOS shadow: no quality bound in the SLO, so no score can change the choice; scoring is off");
         }
+        let scorers = if scoring { scorers } else { Vec::new() };
+        let fixed: usize = scorers.iter().map(ShadowScorer::resident_bytes).sum();
+        let shadow = if shadow_mode {
+            Some(start_scorer(&repo, &policy, &candidates, scorers, scoring)?)
+        } else {
+            None
+        };
         let cfg = &policy.config;
         let mut state = Self {
             pht: Pht::new(cfg.threshold),
@@ -246,9 +265,11 @@ impl State {
             draining: Vec::new(),
             tokens_per_request: 0.0,
             shadow,
+            budget_total,
         };
-        if let Some(sh) = state.shadow.as_mut() {
-            sh.scoring = scoring;
+        if state.shadow.is_some() {
+            // The scorers' embeddings, norms and heads are held from the start.
+            state.counters.shadow_peak_bytes = fixed as u64;
             state.serve_first()?;
         }
         Ok(state)
@@ -265,6 +286,7 @@ impl State {
             .engine_index(&p.model)
             .ok_or_else(|| HeliosError::Orchestrator(format!("{} has no engine", p.model)))?;
         let t = Instant::now();
+        self.grant(engine);
         self.engines[engine]
             .handle
             .load_layers(p.depth, true)
@@ -316,9 +338,10 @@ impl State {
         if let Some(sh) = self.shadow.as_mut().filter(|sh| sh.scoring) {
             let every = self.policy.config.shadow.sample_every as u64;
             if (self.counters.requests - 1).is_multiple_of(every) {
+                let references = self.policy.config.shadow.references;
                 sh.pending.push(ShadowText {
                     prompt: q.request.prompt.scored_text(),
-                    reference: q.request.reference.clone(),
+                    reference: q.request.reference.clone().filter(|_| references),
                 });
             }
             self.send_round();
@@ -821,7 +844,15 @@ impl State {
         } else {
             0.0
         };
+        let grew = r.peak_bytes as u64 > c.shadow_peak_bytes;
         c.shadow_peak_bytes = c.shadow_peak_bytes.max(r.peak_bytes as u64);
+        if grew {
+            // The serving engine's grant leaves room for what the scorer now holds.
+            if let Phase::Serving { engine, .. } = self.phase {
+                self.grant(engine);
+            }
+        }
+        let c = &mut self.counters;
         let scores = match r.scores {
             Ok(s) => s,
             Err(err) => {
@@ -904,6 +935,9 @@ impl State {
             self.serve(target, engine);
             return true;
         }
+        if let Some(target) = self.engine_index(&target.model) {
+            self.grant(target);
+        }
         // Measured, not estimated: the switch's load time is counted as it happens.
         let cost_ms = 0.0;
         self.remedy(Remedy::Switch {
@@ -913,6 +947,51 @@ impl State {
             cost_ms,
         });
         matches!(&self.phase, Phase::Serving { serving, .. } if *serving == target)
+    }
+
+    /// Shadow evaluation: moves memory to engine `to`. Every other local engine keeps what
+    /// it holds (weights and workspace, nothing when parked) plus the K/V its sequences need
+    /// to finish (a drained engine's requests end where they started), never more than it
+    /// has now; `to` gets the rest of the caller's total less what the scorers hold, so the
+    /// engines together never exceed what the caller gave them. (Serial evaluation keeps
+    /// the caller's equal shares: there every candidate serves in turn.)
+    fn grant(&mut self, to: usize) {
+        if self.shadow.is_none() || self.budget_total == 0 {
+            return;
+        }
+        let mut others = 0u64;
+        for (j, e) in self.engines.iter().enumerate() {
+            if j == to || is_remote(&self.repo, &e.name) {
+                continue;
+            }
+            let keep = match e.handle.stats().wait() {
+                Ok(st) => {
+                    let m = &st.memory;
+                    let kv = m.kv_used_bytes.max(m.kv_to_finish_bytes);
+                    (m.weights_bytes + m.workspace_bytes + kv).min(m.budget_bytes)
+                }
+                Err(err) => {
+                    tracing::error!(model = %e.name, error = %err, "no stats: its budget stays");
+                    return;
+                }
+            };
+            match e.handle.set_budget(keep).wait() {
+                Ok(_) => others += keep,
+                Err(err) => {
+                    tracing::error!(model = %e.name, error = %err, "cannot shrink its budget");
+                    return;
+                }
+            }
+        }
+        let rest = self
+            .budget_total
+            .saturating_sub(others)
+            .saturating_sub(self.counters.shadow_peak_bytes);
+        let e = &self.engines[to];
+        match e.handle.set_budget(rest).wait() {
+            Ok(_) => tracing::info!(model = %e.name, bytes = rest, "HELIOS shadow: budget granted"),
+            Err(err) => tracing::error!(model = %e.name, error = %err, "cannot grant the budget"),
+        }
     }
 
     /// Drops the layers of drained engines whose last sequence ended.
@@ -939,12 +1018,24 @@ impl State {
             if later_block {
                 continue;
             }
-            if let Err(err) = self.engines[i].handle.drop_layers(1).wait() {
+            // Under shadow evaluation a drained engine holds nothing until it serves again.
+            let released = match self.shadow {
+                Some(_) => self.engines[i].handle.park().wait(),
+                None => self.engines[i].handle.drop_layers(1).wait(),
+            };
+            if let Err(err) = released {
                 tracing::error!(model = %self.engines[i].name, error = %err, "cannot drop drained layers");
             }
             tracing::info!(model = %self.engines[i].name, "HELIOS drained");
+            if let Some(s) = serving {
+                self.grant(s);
+            }
         }
     }
+}
+
+fn is_remote(repo: &Manifest, name: &str) -> bool {
+    repo.get(name).is_some_and(|m| m.is_remote())
 }
 
 /// Token ids of `prompt` for the model behind `info` (its chat template for chat).
@@ -1013,10 +1104,11 @@ fn start_scorer(
     policy: &Policy,
     candidates: &[(Candidate, usize)],
     scorers: Vec<ShadowScorer>,
+    scoring: bool,
 ) -> Result<Shadow> {
     let mut kept = Vec::new();
     let mut scorers = scorers;
-    for (c, _) in candidates {
+    for (c, _) in candidates.iter().filter(|_| scoring) {
         let remote = repo.get(c.model()).is_some_and(|m| m.is_remote());
         if remote {
             continue;
@@ -1046,7 +1138,7 @@ fn start_scorer(
         tx,
         rx,
         busy: false,
-        scoring: true,
+        scoring,
         pending: Vec::new(),
         gate: SwitchGate::new(cfg.shadow.switch_after),
         rounds: Vec::new(),

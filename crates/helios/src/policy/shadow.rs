@@ -63,6 +63,9 @@ pub struct ShadowConfig {
     pub max_text_bytes: usize,
     /// Consecutive rounds that must name the same new choice before it is served.
     pub switch_after: usize,
+    /// Also score each sampled request's reference answer where the caller gives one
+    /// (reported apart, never used to choose; it doubles the scoring work).
+    pub references: bool,
 }
 
 impl Default for ShadowConfig {
@@ -73,6 +76,7 @@ impl Default for ShadowConfig {
             window: 6,
             max_text_bytes: 1024,
             switch_after: 2,
+            references: true,
         }
     }
 }
@@ -307,6 +311,7 @@ memory_bytes = 500000000
             wall_s: 1.0,
             peak_layers_resident: 1,
             peak_layer_bytes: 1,
+            peak_head_bytes: 1,
             peak_activation_bytes: 1,
         }
     }

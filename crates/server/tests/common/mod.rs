@@ -92,6 +92,18 @@ pub fn client() -> reqwest::Client {
     reqwest::Client::new()
 }
 
+/// The body of `GET path` as text.
+pub async fn get_text(base: &str, path: &str) -> String {
+    client()
+        .get(format!("{base}{path}"))
+        .send()
+        .await
+        .expect("request sent")
+        .text()
+        .await
+        .expect("body")
+}
+
 /// Posts JSON text to `path`; returns status, headers and the body as JSON (Null if not JSON).
 pub async fn post(
     base: &str,
