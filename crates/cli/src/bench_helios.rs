@@ -105,6 +105,9 @@ pub struct BenchHeliosArgs {
     /// Rounds that must agree before HELIOS serves a new choice.
     #[arg(long, default_value_t = ShadowConfig::default().switch_after)]
     shadow_switch_after: usize,
+    /// Exit depths read every this many scored positions (full depth reads all).
+    #[arg(long, default_value_t = ShadowConfig::default().exit_stride)]
+    shadow_exit_stride: usize,
     /// Do not score the trace's reference answers in the shadow (they are reported, never
     /// used to choose, and double the scoring work).
     #[arg(long)]
@@ -298,6 +301,7 @@ fn options(
                 max_text_bytes: a.shadow_max_bytes,
                 switch_after: a.shadow_switch_after,
                 references: !a.shadow_skip_references,
+                exit_stride: a.shadow_exit_stride,
             },
             ..PolicyConfig::default()
         },

@@ -171,6 +171,12 @@ pub struct ScoreSettings {
     /// Most bytes of each prompt and each reference scored (cut at a character boundary, the
     /// same text for every candidate).
     pub max_text_bytes: usize,
+    /// Exit depths read every `exit_stride`-th position of each prompt and each reference
+    /// (their first position always); full depth reads every position. An exit depth's nats
+    /// are then full depth's plus the measured difference on those positions, scaled up to
+    /// all of them: a paired estimate, at a `1 / exit_stride` share of the LM-head work that
+    /// dominates scoring. 1 reads every position at every depth.
+    pub exit_stride: usize,
 }
 
 /// One row's softmax over the vocabulary, folded one slice at a time: the running maximum
@@ -408,8 +414,11 @@ impl ShadowScorer {
         let rows = inputs.len();
         let mut h = self.model.embed(&inputs)?;
         let mut kvs: Vec<DenseKv> = seqs.iter().map(|_| DenseKv::new(n_layers, row)).collect();
-        // First passing depth per prompt target (None: not yet).
-        let mut exit_at: Vec<Option<usize>> = vec![None; rows];
+        let sampled = sampled_rows(&seqs, settings.exit_stride);
+        let every: Vec<usize> = (0..rows).collect();
+        // Per scored depth, in order: (NLL, top-two statistics) of each row read there
+        // (the sampled rows at exits, every row at full depth).
+        let mut read: Vec<Vec<(f64, TokenStats)>> = Vec::with_capacity(self.depths.len());
         let hidden_bytes = h.elem_count() * h.dtype().size_in_bytes();
         let mut next_depth = 0;
         for l in 0..n_layers {
@@ -437,18 +446,17 @@ impl ShadowScorer {
             self.model.drop_layer(l);
             pause(throttle, &mut work);
             if self.depths.get(next_depth) == Some(&(l + 1)) {
-                let folds = self.read_depth(next_depth, &h, &seqs, &mut out, &mut |_| {
-                    pause(throttle, &mut work)
-                })?;
-                self.record_depth(next_depth, &folds, &seqs, settings, &mut out, &mut exit_at);
+                let which = if l + 1 == n_layers { &every } else { &sampled };
+                let targets: Vec<u32> = which.iter().map(|&r| target_of(&seqs, r)).collect();
+                let folds =
+                    self.read_depth(next_depth, &h, which, &targets, &mut out, &mut |_| {
+                        pause(throttle, &mut work)
+                    })?;
+                read.push(folds.iter().map(RowFold::finish).collect());
                 next_depth += 1;
             }
         }
-        for (s, r) in seqs.iter().zip(row_ranges(&seqs)) {
-            for e in &exit_at[r.start..r.start + s.prompt_targets] {
-                out.exits.record(e.unwrap_or(n_layers));
-            }
-        }
+        self.record(&read, &seqs, &sampled, settings, &mut out);
         let busy = (throttle.busy - busy0).as_secs_f64();
         out.busy_s = busy;
         out.prefill_tokens_per_s = rows as f64 / busy.max(f64::MIN_POSITIVE);
@@ -456,24 +464,29 @@ impl ShadowScorer {
         Ok(out)
     }
 
-    /// Folds each row's softmax at depth `self.depths[i]`: the exit head and the final norm
-    /// over the batch, then the LM head one vocabulary slice at a time over `HEAD_ROWS` rows
-    /// at a time. `after_slice` runs after each slice (the throttle's pause).
+    /// Folds the softmax of rows `which` of `h` at depth `self.depths[i]`: the exit head
+    /// and the final norm over those rows, then the LM head one vocabulary slice at a time
+    /// over `HEAD_ROWS` rows at a time. `after_slice` runs after each slice (the throttle's
+    /// pause).
     fn read_depth(
         &self,
         i: usize,
         h: &Tensor,
-        seqs: &[Tokenized],
+        which: &[usize],
+        targets: &[u32],
         out: &mut ShadowScore,
         after_slice: &mut dyn FnMut(usize),
     ) -> Result<Vec<RowFold>> {
         let d = self.depths[i];
-        let normed = self.heads.normed(&self.model, d, h)?;
-        let rows = normed.dims()[0];
-        let mut folds: Vec<RowFold> = Vec::with_capacity(rows);
-        for (s, range) in seqs.iter().zip(row_ranges(seqs)) {
-            folds.extend((0..range.len()).map(|at| RowFold::new(s.ids[at + 1])));
-        }
+        let picked = if which.len() == h.dims()[0] {
+            h.clone()
+        } else {
+            let idx: Vec<u32> = which.iter().map(|&r| r as u32).collect();
+            h.index_select(&Tensor::new(idx, h.device())?, 0)?
+        };
+        let normed = self.heads.normed(&self.model, d, &picked)?;
+        let rows = which.len();
+        let mut folds: Vec<RowFold> = targets.iter().map(|&t| RowFold::new(t)).collect();
         let starts: Vec<usize> = (0..rows).step_by(HEAD_ROWS).collect();
         let parts = starts
             .iter()
@@ -481,7 +494,7 @@ impl ShadowScorer {
             .collect::<candle_core::Result<Vec<_>>>()?;
         let last = parts.len().saturating_sub(1);
         let logits_bytes = HEAD_ROWS.min(rows) * switchyard_models::HEAD_SLICE_ROWS * 4;
-        let held = normed.elem_count() * 4 + logits_bytes;
+        let held = h.elem_count() * 4 + 2 * normed.elem_count() * 4 + logits_bytes;
         out.peak_activation_bytes = out.peak_activation_bytes.max(held);
         let peak = self.model.lm_head_slices(&parts, |part, first, logits| {
             let logits: Vec<Vec<f32>> = logits.to_vec2()?;
@@ -497,32 +510,60 @@ impl ShadowScorer {
         Ok(folds)
     }
 
-    /// Adds the folded rows at depth `self.depths[i]`: each row's NLL of its target into the
-    /// prompt's or the reference's nats, and the first passing depth of each prompt target.
-    fn record_depth(
+    /// Adds up what each depth read (`read[i]` for `self.depths[i]`: the `sampled` rows at
+    /// exit depths, every row at full depth): each segment's (prompt's, reference's) nats at
+    /// full depth, each exit depth's nats as full depth's plus the measured difference on
+    /// the segment's sampled rows scaled to all its rows, and the first passing depth of
+    /// each sampled prompt row in the exit histogram.
+    fn record(
         &self,
-        i: usize,
-        folds: &[RowFold],
+        read: &[Vec<(f64, TokenStats)>],
         seqs: &[Tokenized],
+        sampled: &[usize],
         settings: &ScoreSettings,
         out: &mut ShadowScore,
-        exit_at: &mut [Option<usize>],
     ) {
-        let d = self.depths[i];
-        let full = d == self.model.n_layers();
+        let Some((full, exits)) = read.split_last() else {
+            return;
+        };
+        let n_layers = self.model.n_layers();
+        let mut k = 0;
         for (s, range) in seqs.iter().zip(row_ranges(seqs)) {
-            for (at, fold) in folds[range.clone()].iter().enumerate() {
-                let (nll, stats) = fold.finish();
-                if at < s.prompt_targets {
-                    out.prompt.nats[i].1 += nll;
-                    let slot = &mut exit_at[range.start + at];
-                    if slot.is_none()
-                        && (full || passes(settings.measure.of(&stats), settings.threshold))
-                    {
-                        *slot = Some(d);
-                    }
-                } else {
-                    out.reference.nats[i].1 += nll;
+            let split = range.start + s.prompt_targets;
+            for (seg, nats) in [
+                (range.start..split, &mut out.prompt.nats),
+                (split..range.end, &mut out.reference.nats),
+            ] {
+                if seg.is_empty() {
+                    continue;
+                }
+                let full_nats: f64 = full[seg.clone()].iter().map(|r| r.0).sum();
+                if let Some(last) = nats.last_mut() {
+                    last.1 += full_nats;
+                }
+                let first = k;
+                while k < sampled.len() && sampled[k] < seg.end {
+                    k += 1;
+                }
+                let rows = &sampled[first..k];
+                let scale = seg.len() as f64 / rows.len().max(1) as f64;
+                for (i, exit) in exits.iter().enumerate() {
+                    let diff: f64 = (first..k)
+                        .zip(rows)
+                        .map(|(j, &r)| exit[j].0 - full[r].0)
+                        .sum();
+                    nats[i].1 += full_nats + scale * diff;
+                }
+                if seg.start != range.start {
+                    continue;
+                }
+                // The prompt's sampled rows: the exit histogram.
+                for j in first..k {
+                    let passed = exits
+                        .iter()
+                        .position(|e| passes(settings.measure.of(&e[j].1), settings.threshold));
+                    out.exits
+                        .record(passed.map_or(n_layers, |i| self.depths[i]));
                 }
             }
         }
@@ -588,6 +629,32 @@ struct Tokenized {
     prompt_targets: usize,
     prompt_bytes: usize,
     reference_bytes: usize,
+}
+
+/// The rows exit depths read: every `stride`-th row of each sequence's prompt and of its
+/// reference, each segment's first row always, in increasing order.
+fn sampled_rows(seqs: &[Tokenized], stride: usize) -> Vec<usize> {
+    let stride = stride.max(1);
+    let mut out = Vec::new();
+    for (s, range) in seqs.iter().zip(row_ranges(seqs)) {
+        let split = range.start + s.prompt_targets;
+        out.extend((range.start..split).step_by(stride));
+        out.extend((split..range.end).step_by(stride));
+    }
+    out
+}
+
+/// The target of batch row `r`: the token after it in its sequence.
+fn target_of(seqs: &[Tokenized], r: usize) -> u32 {
+    let mut at = r;
+    for s in seqs {
+        let n = s.ids.len() - 1;
+        if at < n {
+            return s.ids[at + 1];
+        }
+        at -= n;
+    }
+    0
 }
 
 /// Each sequence's rows in the batch (its inputs, all but its last token).

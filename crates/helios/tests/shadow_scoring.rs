@@ -31,6 +31,7 @@ fn settings() -> ScoreSettings {
         threshold: 0.8,
         measure: ConfidenceMeasure::MaxProb,
         max_text_bytes: 4096,
+        exit_stride: 1,
     }
 }
 
@@ -145,6 +146,29 @@ fn shadow_scores_equal_eval_ppl_and_the_resident_model() {
     );
 
     // A batch of texts, one with a reference: each prompt scores as it does alone.
+    // Exits read every 4th position: full depth is unchanged, each exit is full depth plus
+    // the difference measured on a quarter of the positions, and the histogram counts those.
+    let strided = s
+        .score(
+            &[text(PROSE, None)],
+            &ScoreSettings {
+                exit_stride: 4,
+                ..settings()
+            },
+            &mut throttle,
+        )
+        .expect("strided");
+    assert_eq!(strided.prompt.nats[2], alone.prompt.nats[2]);
+    for i in 0..2 {
+        let (d, got) = strided.prompt.nats[i];
+        let want = alone.prompt.nats[i].1;
+        assert!(
+            (got - want).abs() <= 0.1 * want,
+            "depth {d}: strided {got} vs every position {want}"
+        );
+    }
+    assert_eq!(strided.exits.total(), alone.prompt.tokens.div_ceil(4));
+
     let batch = s
         .score(
             &[text(CODE, None), text(PROSE, Some(ANSWER))],

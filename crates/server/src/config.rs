@@ -162,15 +162,17 @@ pub struct ModelSection {
 /// [helios]
 /// name = "helios"                  # the name clients ask for
 /// manifest = "models.toml"         # the repository, `switchyard profile` telemetry
-/// memory_budget = "4GiB"           # shared equally by the candidate engines
+/// memory_budget = "4GiB"           # all candidate engines together (see below)
 /// slo = { objective = "throughput", max_bits_per_byte_increase = 0.3 }
 /// policy = { evaluation = "shadow", shadow = { share = 0.1, window = 6, sample_every = 4 } }
 /// ```
 ///
 /// `evaluation = "shadow"` (the default) serves every request with the chosen candidate and
-/// scores sampled prompts with the others, streaming their layers; `"serial"` is HELIOS's
-/// evaluation in blocks of requests (`eval_requests`, `reprofile_interval`, the breach
-/// counter). Each candidate engine uses its calibrated exit heads when the manifest says `exit_heads =
+/// scores sampled prompts with the others, streaming their layers (`exit_stride`: exit depths
+/// read every k-th scored position); the engines that do not serve are parked, holding
+/// nothing, and the budget follows the serving one. `"serial"` is HELIOS's evaluation in
+/// blocks of requests (`eval_requests`, `reprofile_interval`, the breach counter), each
+/// engine in an equal share of the budget. Each candidate engine uses its calibrated exit heads when the manifest says `exit_heads =
 /// "tuned"` (the file beside the model), the logit lens otherwise.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]

@@ -122,6 +122,8 @@ impl ReferenceTable {
             threshold: 1.0,
             measure: switchyard_exits::ConfidenceMeasure::MaxProb,
             max_text_bytes: 2048,
+            // The quality of what was served: every position at every depth.
+            exit_stride: 1,
         };
         let mut nats = BTreeMap::new();
         for c in candidates {

@@ -1126,6 +1126,7 @@ fn start_scorer(
         threshold: cfg.threshold,
         measure: switchyard_exits::ConfidenceMeasure::MaxProb,
         max_text_bytes: cfg.shadow.max_text_bytes,
+        exit_stride: cfg.shadow.exit_stride,
     };
     let (tx, worker_rx) = mpsc::channel();
     let (worker_tx, rx) = mpsc::channel();

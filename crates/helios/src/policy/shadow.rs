@@ -66,6 +66,9 @@ pub struct ShadowConfig {
     /// Also score each sampled request's reference answer where the caller gives one
     /// (reported apart, never used to choose; it doubles the scoring work).
     pub references: bool,
+    /// Exit depths read every `exit_stride`-th scored position (full depth reads all): a
+    /// paired estimate of each exit's bits per byte at a fraction of the LM-head work.
+    pub exit_stride: usize,
 }
 
 impl Default for ShadowConfig {
@@ -77,6 +80,7 @@ impl Default for ShadowConfig {
             max_text_bytes: 1024,
             switch_after: 2,
             references: true,
+            exit_stride: 4,
         }
     }
 }
@@ -90,8 +94,15 @@ impl ShadowConfig {
                 self.share
             ));
         }
-        if self.sample_every == 0 || self.window == 0 || self.switch_after == 0 {
-            return bad("shadow.sample_every, window and switch_after must be at least 1".into());
+        if self.sample_every == 0
+            || self.window == 0
+            || self.switch_after == 0
+            || self.exit_stride == 0
+        {
+            return bad(
+                "shadow.sample_every, window, switch_after and exit_stride must be at least 1"
+                    .into(),
+            );
         }
         if self.max_text_bytes < 16 {
             return bad(format!(
@@ -411,6 +422,10 @@ memory_bytes = 500000000
             },
             ShadowConfig {
                 max_text_bytes: 8,
+                ..ShadowConfig::default()
+            },
+            ShadowConfig {
+                exit_stride: 0,
                 ..ShadowConfig::default()
             },
         ] {
