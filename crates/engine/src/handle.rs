@@ -24,6 +24,7 @@ use switchyard_models::LayeredModel;
 use crate::core::{
     end_of_generation_tokens, EngineConfig, EngineCore, EngineRequest, EngineStats, ExitProbe,
 };
+use crate::doorbell::Doorbell;
 use crate::output::{Completion, OutputProcessor, OutputSink, RequestOutput, OUTPUT_BUFFER};
 use crate::residency::{LoadReport, LoadedLayer};
 use crate::{EngineError, RequestId, Result};
@@ -316,6 +317,16 @@ impl EngineHandle {
     /// run (empty, longer than the context, invalid sampling) are refused here; one that
     /// cannot fit the memory budget gets the error as the first item of its stream.
     pub fn add_request(&self, request: EngineRequest) -> Result<RequestStream> {
+        self.add_request_with_bell(request, None)
+    }
+
+    /// [`EngineHandle::add_request`], ringing `bell` after each output of the request (see
+    /// [`Doorbell`]).
+    pub fn add_request_with_bell(
+        &self,
+        request: EngineRequest,
+        bell: Option<&Doorbell>,
+    ) -> Result<RequestStream> {
         if self.status() == EngineStatus::Failed {
             return Err(self.liveness.failure());
         }
@@ -332,6 +343,7 @@ impl EngineHandle {
         }
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (sink, rx) = OutputSink::channel(OUTPUT_BUFFER, Arc::clone(&self.liveness));
+        let sink = sink.with_bell(bell.cloned());
         self.tx
             .send(Command::Add {
                 id,

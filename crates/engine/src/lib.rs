@@ -17,6 +17,7 @@
 //! reads weight files itself (layers are loaded through the model crate's loader).
 
 pub mod core;
+pub mod doorbell;
 pub mod exit;
 pub mod external;
 pub mod generate;
@@ -34,6 +35,7 @@ pub use crate::core::{
     end_of_generation_tokens, max_prob, EngineConfig, EngineCore, EngineRequest, EngineStats,
     ExitProbe, MemoryStats, StepResult, TokenOutput, DEFAULT_MEMORY_BUDGET,
 };
+pub use doorbell::Doorbell;
 pub use exit::{sampled_rows, ExitHead, ExitSpan, LogitLens};
 pub use external::RequestBackend;
 pub use generate::{generate, Generation, GenerationTiming};

@@ -16,6 +16,7 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::mpsc::{self, Receiver, Sender};
 
 use crate::core::{StepResult, TokenOutput};
+use crate::doorbell::Doorbell;
 use crate::handle::Liveness;
 use crate::stop::{StopMatcher, StopOutcome};
 use crate::{EngineError, RequestId, Result};
@@ -37,6 +38,8 @@ pub struct OutputSink {
     engine: Arc<Liveness>,
     /// The buffer filled and the request was ended: nothing more is sent.
     overflowed: AtomicBool,
+    /// Rung after each item sent (see [`Doorbell`]).
+    bell: Option<Doorbell>,
 }
 
 /// Why an [`OutputSink`] took nothing.
@@ -60,8 +63,21 @@ impl OutputSink {
             tx,
             engine,
             overflowed: AtomicBool::new(false),
+            bell: None,
         };
         (sink, rx)
+    }
+
+    /// This sink rings `bell` after each item it sends.
+    pub(crate) fn with_bell(mut self, bell: Option<Doorbell>) -> Self {
+        self.bell = bell;
+        self
+    }
+
+    fn ring(&self) {
+        if let Some(b) = &self.bell {
+            b.ring();
+        }
     }
 
     /// Sends one item without waiting. When only the last place is left and `item` does not
@@ -78,12 +94,15 @@ impl OutputSink {
             let _ = self
                 .tx
                 .try_send(Err(EngineError::OutputOverflow { behind }));
+            self.ring();
             return Err(NotSent::Overflow);
         }
-        self.tx.try_send(item).map_err(|e| match e {
+        let sent = self.tx.try_send(item).map_err(|e| match e {
             TrySendError::Closed(_) => NotSent::ReaderGone,
             TrySendError::Full(_) => NotSent::Overflow,
-        })
+        });
+        self.ring();
+        sent
     }
 
     /// Whether the reader was dropped, or the request ended on an overflow.
@@ -98,6 +117,8 @@ impl Drop for OutputSink {
             self.engine.fail();
             let _ = self.tx.try_send(Err(self.engine.failure()));
         }
+        // The stream ends when the sink goes: its reader may be waiting for that.
+        self.ring();
     }
 }
 

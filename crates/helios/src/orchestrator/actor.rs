@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use switchyard_engine::{EngineInfo, EngineRequest, ExitProbe, RequestStream};
+use switchyard_engine::{Doorbell, EngineInfo, EngineRequest, ExitProbe, RequestStream};
 use switchyard_exits::confidence::passes;
 use tokio::sync::mpsc as tmpsc;
 
@@ -31,9 +31,9 @@ use crate::shadow::{ScoreSettings, ShadowScore, ShadowScorer, ShadowText, Thrott
 use crate::{HeliosError, Result};
 use std::collections::BTreeMap;
 
-/// How long the thread waits for a command while requests stream (outputs are polled in
-/// between).
-const POLL: Duration = Duration::from_micros(500);
+/// The longest the thread sleeps on its doorbell while requests stream: every output and
+/// command rings it, so this only bounds how late a client that went away is noticed.
+const WAKE: Duration = Duration::from_millis(20);
 
 type Sink = tmpsc::UnboundedSender<Result<HeliosOutput>>;
 
@@ -103,6 +103,8 @@ pub(super) struct State {
     /// Shadow evaluation: the local engines' budgets together (what the caller gave them),
     /// moved to whichever engine serves (see [`State::grant`]).
     budget_total: u64,
+    /// Rung by every request's outputs, every command and every finished shadow round.
+    pub(super) bell: Doorbell,
 }
 
 /// The orchestrator's side of shadow evaluation: prompts sampled for the next round, the
@@ -136,6 +138,7 @@ fn run_scorer(
     share: f64,
     rx: mpsc::Receiver<Vec<ShadowText>>,
     tx: mpsc::Sender<RoundResult>,
+    bell: Doorbell,
 ) {
     let mut throttle = Throttle::new(share);
     let fixed: usize = scorers.iter().map(ShadowScorer::resident_bytes).sum();
@@ -162,6 +165,7 @@ fn run_scorer(
         if tx.send(result).is_err() {
             return;
         }
+        bell.ring();
     }
 }
 
@@ -173,6 +177,7 @@ impl State {
         scorers: Vec<ShadowScorer>,
     ) -> Result<Self> {
         let shadow_mode = policy.config.evaluation == Evaluation::Shadow;
+        let bell = Doorbell::new();
         // Shadow evaluation judges quality on the traffic, not on the profile text: the
         // selection does not apply the bound to the offline bits per byte.
         let selection = if shadow_mode {
@@ -244,7 +249,14 @@ impl State {
         let scorers = if scoring { scorers } else { Vec::new() };
         let fixed: usize = scorers.iter().map(ShadowScorer::resident_bytes).sum();
         let shadow = if shadow_mode {
-            Some(start_scorer(&repo, &policy, &candidates, scorers, scoring)?)
+            Some(start_scorer(
+                &repo,
+                &policy,
+                &candidates,
+                scorers,
+                scoring,
+                bell.clone(),
+            )?)
         } else {
             None
         };
@@ -266,6 +278,7 @@ impl State {
             tokens_per_request: 0.0,
             shadow,
             budget_total,
+            bell,
         };
         if state.shadow.is_some() {
             // The scorers' embeddings, norms and heads are held from the start.
@@ -395,7 +408,8 @@ impl State {
             let room = e.info.context_length.saturating_sub(prompt.len()).max(1);
             let mut params = q.request.params.clone();
             params.max_tokens = params.max_tokens.min(room);
-            Ok(e.handle.add_request(EngineRequest { prompt, params })?)
+            Ok(e.handle
+                .add_request_with_bell(EngineRequest { prompt, params }, Some(&self.bell))?)
         });
         if let (Some(b), Phase::Evaluating(ev)) = (block, &mut self.phase) {
             self.counters.evaluation_requests += 1;
@@ -1056,12 +1070,14 @@ fn tokenize(info: &EngineInfo, prompt: &HeliosPrompt) -> Result<Vec<u32>> {
 
 pub(super) fn run(mut s: State, rx: mpsc::Receiver<Command>) {
     let mut connected = true;
+    // Rings before this count were seen: every output they announced has been polled.
+    let mut seen = s.bell.rings();
     loop {
         let cmd = if !connected {
             if s.active.is_empty() {
                 break;
             }
-            std::thread::sleep(POLL);
+            s.bell.wait_past(seen, WAKE);
             None
         } else if s.active.is_empty() && !s.shadow.as_ref().is_some_and(|sh| sh.busy) {
             match rx.recv() {
@@ -1069,10 +1085,15 @@ pub(super) fn run(mut s: State, rx: mpsc::Receiver<Command>) {
                 Err(_) => break,
             }
         } else {
-            match rx.recv_timeout(POLL) {
+            let mut got = rx.try_recv();
+            if matches!(got, Err(mpsc::TryRecvError::Empty)) {
+                s.bell.wait_past(seen, WAKE);
+                got = rx.try_recv();
+            }
+            match got {
                 Ok(c) => Some(c),
-                Err(mpsc::RecvTimeoutError::Timeout) => None,
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Err(mpsc::TryRecvError::Empty) => None,
+                Err(mpsc::TryRecvError::Disconnected) => {
                     connected = false;
                     None
                 }
@@ -1094,6 +1115,7 @@ pub(super) fn run(mut s: State, rx: mpsc::Receiver<Command>) {
             }
             next = if connected { rx.try_recv().ok() } else { None };
         }
+        seen = s.bell.rings();
         while s.poll() | s.poll_shadow() {}
     }
 }
@@ -1105,6 +1127,7 @@ fn start_scorer(
     candidates: &[(Candidate, usize)],
     scorers: Vec<ShadowScorer>,
     scoring: bool,
+    bell: Doorbell,
 ) -> Result<Shadow> {
     let mut kept = Vec::new();
     let mut scorers = scorers;
@@ -1133,7 +1156,7 @@ fn start_scorer(
     let share = cfg.shadow.share;
     std::thread::Builder::new()
         .name("switchyard-helios-shadow".into())
-        .spawn(move || run_scorer(kept, settings, share, worker_rx, worker_tx))
+        .spawn(move || run_scorer(kept, settings, share, worker_rx, worker_tx, bell))
         .map_err(|e| HeliosError::Orchestrator(format!("cannot start the scorer thread: {e}")))?;
     Ok(Shadow {
         tx,

@@ -39,7 +39,7 @@ pub mod measure;
 use std::sync::{mpsc, Arc};
 
 use serde::Serialize;
-use switchyard_engine::{Completion, EngineHandle, RequestOutput};
+use switchyard_engine::{Completion, Doorbell, EngineHandle, RequestOutput};
 use switchyard_request::SamplingParams;
 use switchyard_tokenizer::ChatMessage;
 use tokio::sync::{mpsc as tmpsc, oneshot};
@@ -294,6 +294,8 @@ enum Command {
 #[derive(Debug, Clone)]
 pub struct Orchestrator {
     tx: mpsc::Sender<Command>,
+    /// The actor's doorbell, rung after each command.
+    bell: Doorbell,
     candidates: Arc<[String]>,
 }
 
@@ -316,6 +318,7 @@ impl Orchestrator {
     ) -> Result<Self> {
         let state = actor::State::new(repo, policy, engines, scorers)?;
         let candidates: Arc<[String]> = state.candidate_names().into();
+        let bell = state.bell.clone();
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("switchyard-helios".into())
@@ -323,7 +326,11 @@ impl Orchestrator {
             .map_err(|e| {
                 HeliosError::Orchestrator(format!("cannot start the orchestrator thread: {e}"))
             })?;
-        Ok(Self { tx, candidates })
+        Ok(Self {
+            tx,
+            bell,
+            candidates,
+        })
     }
 
     /// The candidates it evaluates, best first by offline telemetry.
@@ -335,9 +342,7 @@ impl Orchestrator {
     /// item when no candidate can take it).
     pub fn submit(&self, request: HeliosRequest) -> Result<HeliosStream> {
         let (sink, rx) = tmpsc::unbounded_channel();
-        self.tx
-            .send(Command::Submit { request, sink })
-            .map_err(|_| HeliosError::Orchestrator("the orchestrator stopped".into()))?;
+        self.send(Command::Submit { request, sink })?;
         Ok(HeliosStream { rx })
     }
 
@@ -368,6 +373,8 @@ impl Orchestrator {
     fn send(&self, c: Command) -> Result<()> {
         self.tx
             .send(c)
-            .map_err(|_| HeliosError::Orchestrator("the orchestrator stopped".into()))
+            .map_err(|_| HeliosError::Orchestrator("the orchestrator stopped".into()))?;
+        self.bell.ring();
+        Ok(())
     }
 }
