@@ -52,7 +52,8 @@ pub struct BenchHeliosArgs {
     #[arg(long, default_value_t = DEFAULT_SEED)]
     seed: u64,
     /// Bytes for each system, e.g. 2GiB: vanilla's engine, the baseline, and HELIOS's
-    /// candidate engines together (equal shares).
+    /// candidate engines together (equal shares under serial evaluation; under shadow
+    /// evaluation the budget follows the serving engine, the others parked).
     #[arg(long, value_parser = parse_budget)]
     memory_budget: Option<u64>,
     /// Exit confidence threshold of HELIOS and of the EE-LLM baseline.

@@ -213,3 +213,108 @@ fn the_throttle_sleeps_its_share() {
         r.busy_s
     );
 }
+
+/// The serving engine's time for the same greedy requests, alone and beside a scorer
+/// working without a pause (share 1) or within a share of 0.25: the throttled scorer delays
+/// serving by no more than its share allows (wall ≤ alone / (1 − share)), with this machine's
+/// noise allowed for, and clearly less than the unthrottled one.
+#[test]
+fn scoring_delays_serving_by_at_most_its_share() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use switchyard_engine::{EngineConfig, EngineHandle, EngineRequest};
+
+    let m = smol();
+    let full = LayeredModel::load(Arc::clone(&m.src), &LoadOptions::default()).expect("load");
+    let engine = EngineHandle::start(full, Arc::clone(&m.tok), EngineConfig::default(), SMOL)
+        .expect("engine");
+    let prompt = m.tok.encode(PROSE, true, false).expect("encode");
+    let serve = || {
+        let t = std::time::Instant::now();
+        let streams: Vec<_> = (0..4)
+            .map(|_| {
+                engine
+                    .add_request(EngineRequest {
+                        prompt: prompt.clone(),
+                        params: switchyard_request::SamplingParams {
+                            ignore_eos: true,
+                            ..switchyard_request::SamplingParams::greedy(48)
+                        },
+                    })
+                    .expect("added")
+            })
+            .collect();
+        for s in streams {
+            assert_eq!(s.wait().expect("served").token_ids.len(), 48);
+        }
+        t.elapsed().as_secs_f64()
+    };
+    serve();
+    let alone = serve();
+    let mut s = scorer(&m);
+    let mut beside = |share: f64| {
+        let stop = AtomicBool::new(false);
+        let mut throttle = Throttle::new(share);
+        let wall = std::thread::scope(|scope| {
+            let worker = scope.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    s.score(&[text(PROSE, None)], &settings(), &mut throttle)
+                        .expect("score");
+                }
+            });
+            let wall = serve();
+            stop.store(true, Ordering::Relaxed);
+            worker.join().expect("scorer");
+            wall
+        });
+        (wall, throttle.share_used())
+    };
+    let (free, _) = beside(1.0);
+    let (throttled, used) = beside(0.25);
+    assert!((used - 0.25).abs() < 0.01, "share used {used}");
+    assert!(
+        throttled <= alone / (1.0 - 0.25) * 1.35,
+        "alone {alone:.2} s, beside a scorer at share 0.25 {throttled:.2} s"
+    );
+    assert!(
+        throttled < free,
+        "beside a scorer at share 0.25 {throttled:.2} s, unthrottled {free:.2} s"
+    );
+}
+
+/// Scoring speed on Qwen2.5-Coder-0.5B (prints numbers; run under a profiler).
+#[test]
+#[ignore = "timing; prints numbers"]
+fn qwen_scoring_timing() {
+    let path = switchyard_zoo::ensure("qwen2.5-coder-0.5b-instruct").expect("zoo model");
+    let src = switchyard_weights::open(&path).expect("open");
+    let tok = Arc::new(Tokenizer::from_source(&*src).expect("tokenizer"));
+    let model = LayeredModel::load(
+        src,
+        &LoadOptions {
+            layers: Some(0),
+            ..LoadOptions::default()
+        },
+    )
+    .expect("load");
+    let exits: Vec<usize> = (1..8).map(|k| 3 * k).collect();
+    let heads = ExitHeads::logit_lens(&model, "qwen", &exits).expect("heads");
+    let mut s = ShadowScorer::new("qwen", model, tok, heads).expect("scorer");
+    let texts: Vec<ShadowText> = (0..3).map(|_| text(&PROSE.repeat(3), None)).collect();
+    let mut throttle = Throttle::new(1.0);
+    for stride in [4, 1] {
+        let r = s
+            .score(
+                &texts,
+                &ScoreSettings {
+                    exit_stride: stride,
+                    ..settings()
+                },
+                &mut throttle,
+            )
+            .expect("score");
+        println!(
+            "exit_stride {stride}: {} tokens in {:.2} s, {:.1} tokens/s",
+            r.prompt.tokens, r.busy_s, r.prefill_tokens_per_s
+        );
+    }
+}

@@ -7,6 +7,7 @@
 //! candle's quantized kernels.
 
 pub mod cpu;
+pub mod fastmath;
 pub mod quant;
 pub mod tap;
 
