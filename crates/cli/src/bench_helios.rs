@@ -8,7 +8,7 @@ use clap::Args;
 use switchyard_bench::sharegpt::{sample_requests, Sample, SampleOptions, DEFAULT_SEED};
 use switchyard_engine::kv::parse_bytes;
 use switchyard_engine::{EngineConfig, DEFAULT_MEMORY_BUDGET};
-use switchyard_helios::bench::drift::{run_drift, DriftOptions};
+use switchyard_helios::bench::drift::{run_drift, CodeSource, DriftOptions};
 use switchyard_helios::bench::{
     best_single_model, entry_without_telemetry, run_bench_helios, BenchCandidate,
     HeliosBenchContext, HeliosBenchOptions, HeliosBenchReport, SystemReport, DEFAULT_NUM_PROMPTS,
@@ -43,6 +43,14 @@ pub struct BenchHeliosArgs {
     /// Drift trace: requests per phase.
     #[arg(long, default_value_t = switchyard_helios::bench::drift::DEFAULT_PER_PHASE)]
     per_phase: usize,
+    /// Drift trace: the code phase's prompts (HumanEval problems, executed for pass@1, or
+    /// ShareGPT prompts carrying code).
+    #[arg(long, default_value = "humaneval", value_parser = ["humaneval", "sharegpt"])]
+    code: String,
+    /// Drift trace: most output tokens of a HumanEval completion (it ends at a stop sequence
+    /// or the end of generation before).
+    #[arg(long, default_value_t = 256)]
+    code_max_tokens: usize,
     /// Drift trace: requests per second of the Poisson arrivals.
     #[arg(long, default_value_t = 0.5)]
     request_rate: f64,
@@ -255,6 +263,11 @@ fn run_drift_trace(
         request_rate: a.request_rate,
         seed: a.seed,
         max_tokens: a.max_tokens.unwrap_or(128),
+        code: match a.code.as_str() {
+            "sharegpt" => CodeSource::ShareGpt,
+            _ => CodeSource::HumanEval,
+        },
+        code_max_tokens: a.code_max_tokens,
     };
     let r = run_drift(&ctx, &opts, &d, |phase| eprintln!("running {phase}"))?;
     let md = r.markdown();

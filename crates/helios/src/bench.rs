@@ -414,12 +414,26 @@ struct Job {
     reference: Option<String>,
     /// Seconds after the run's start when the request is sent.
     arrival_s: f64,
+    /// Where the answer ends (a HumanEval completion); empty: exactly `output_len` tokens.
+    stop: Vec<String>,
 }
 
 fn greedy(n: usize) -> SamplingParams {
     SamplingParams {
         ignore_eos: true,
         ..SamplingParams::greedy(n.max(1))
+    }
+}
+
+/// A job's greedy sampling: exactly `output_len` tokens, or, with stop sequences, up to
+/// `output_len` ending at a stop sequence or the end of generation, as a user's would.
+fn job_params(j: &Job) -> SamplingParams {
+    if j.stop.is_empty() {
+        return greedy(j.output_len);
+    }
+    SamplingParams {
+        stop: j.stop.clone(),
+        ..SamplingParams::greedy(j.output_len.max(1))
     }
 }
 
@@ -475,6 +489,7 @@ pub fn run_bench_helios(
                 .map_or(r.output_len, |m| r.output_len.min(m)),
             reference: (!r.answer.is_empty()).then(|| r.answer.clone()),
             arrival_s: 0.0,
+            stop: Vec::new(),
         })
         .collect();
     if jobs.is_empty() {

@@ -1,15 +1,18 @@
 //! `bench helios --trace drift`: traffic that changes domain, served by every candidate alone
 //! and by HELIOS (shadow, and serial when asked), each from one run over the same trace.
 //!
-//! The trace has three phases of ShareGPT first exchanges: English prose, then prompts
-//! carrying code, then prose again ([`switchyard_bench::sharegpt::prompt_kind`] tells them
-//! apart). Requests arrive by a Poisson process at a fixed rate (a seeded exponential gap
-//! between arrivals), the same times for every system.
+//! The trace has three phases: English prose from ShareGPT first exchanges, then code, then
+//! prose again. The code phase is HumanEval by default (each problem's prompt to complete,
+//! its canonical solution as the reference answer), or ShareGPT prompts carrying code
+//! ([`switchyard_bench::sharegpt::prompt_kind`] tells them apart). Requests arrive by a
+//! Poisson process at a fixed rate (a seeded exponential gap between arrivals), the same
+//! times for every system.
 //!
 //! Quality is measured, not inferred: every request's reference answer (the dataset's next
-//! turn) is scored after its prompt by teacher forcing, under every candidate at every
-//! depth, once; a system's quality in a phase is the bits per byte of its phase's answers
-//! under the model and depth that served each request. The hindsight oracle takes, per
+//! turn, HumanEval's canonical solution) is scored after its prompt by teacher forcing,
+//! under every candidate at every depth, once; a system's quality in a phase is the bits per
+//! byte of its phase's answers under the model and depth that served each request. HumanEval
+//! completions are also executed against the problem's tests: pass@1, greedy. The hindsight oracle takes, per
 //! phase, the fastest static candidate whose quality there is within the SLO's bound of the
 //! best static candidate's (the best static one without a bound).
 
@@ -19,6 +22,9 @@ use std::path::{Path, PathBuf};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Exp};
 use serde::Serialize;
+use switchyard_bench::quality::{
+    load_humaneval, run_tests, HumanEvalItem, Isolation, Pick, HUMANEVAL_STOP,
+};
 use switchyard_bench::sharegpt::{exchanges_of_kind, PromptKind};
 
 use super::systems::{run_helios, run_vanilla};
@@ -41,8 +47,21 @@ pub struct DriftOptions {
     /// Requests per second of the Poisson process.
     pub request_rate: f64,
     pub seed: u64,
-    /// Output tokens per request.
+    /// Output tokens per request (prose; code requests take `code_max_tokens`).
     pub max_tokens: usize,
+    pub code: CodeSource,
+    /// Most output tokens of a HumanEval completion (it ends at a stop sequence before).
+    pub code_max_tokens: usize,
+}
+
+/// Where the code phase's prompts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CodeSource {
+    /// HumanEval problems, completed and executed against their tests.
+    HumanEval,
+    /// ShareGPT first exchanges whose prompt carries code.
+    ShareGpt,
 }
 
 /// One phase of one system.
@@ -58,6 +77,9 @@ pub struct PhaseRow {
     pub reference_bits_per_byte: f64,
     /// Requests served by each model.
     pub served_by: BTreeMap<String, usize>,
+    /// HumanEval problems whose completion passed its tests, and pass@1 (code phase only).
+    pub passed: Option<usize>,
+    pub pass_at_1: Option<f64>,
 }
 
 /// One system over the drift trace.
@@ -77,6 +99,7 @@ pub struct OracleRow {
     pub model: String,
     pub output_tokens_per_s: f64,
     pub reference_bits_per_byte: f64,
+    pub pass_at_1: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -88,6 +111,10 @@ pub struct DriftReport {
     pub max_tokens: usize,
     pub memory_budget_bytes: u64,
     pub max_bits_per_byte_increase: Option<f64>,
+    pub code: CodeSource,
+    pub code_max_tokens: usize,
+    /// How HumanEval's tests ran (with or without a network of their own).
+    pub test_isolation: Option<Isolation>,
     pub phases: Vec<String>,
     pub statics: Vec<DriftSystem>,
     pub helios: DriftSystem,
@@ -154,8 +181,11 @@ impl ReferenceTable {
     }
 }
 
-/// The trace: `per_phase` prose, code, prose exchanges, and Poisson arrival times.
-fn drift_trace(ctx: &HeliosBenchContext<'_>, d: &DriftOptions) -> Result<(Vec<Job>, Vec<usize>)> {
+/// The trace: `per_phase` prose, code, prose requests and Poisson arrival times, each
+/// request's phase, and the HumanEval problem behind each code request.
+type Trace = (Vec<Job>, Vec<usize>, BTreeMap<usize, HumanEvalItem>);
+
+fn drift_trace(ctx: &HeliosBenchContext<'_>, d: &DriftOptions) -> Result<Trace> {
     let data = switchyard_zoo::ensure(ctx.dataset)?;
     let prose = exchanges_of_kind(
         &data,
@@ -164,15 +194,27 @@ fn drift_trace(ctx: &HeliosBenchContext<'_>, d: &DriftOptions) -> Result<(Vec<Jo
         PROMPT_BYTES,
         d.seed,
     )?;
-    let code = exchanges_of_kind(&data, PromptKind::Code, d.per_phase, PROMPT_BYTES, d.seed)?;
+    // Each code request: prompt, reference answer, and its HumanEval problem.
+    let code: Vec<(String, String, Option<HumanEvalItem>)> = match d.code {
+        CodeSource::HumanEval => load_humaneval(d.per_phase, Pick::Seeded(d.seed))?
+            .into_iter()
+            .map(|it| (it.prompt.clone(), it.canonical_solution.clone(), Some(it)))
+            .collect(),
+        CodeSource::ShareGpt => {
+            exchanges_of_kind(&data, PromptKind::Code, d.per_phase, PROMPT_BYTES, d.seed)?
+                .into_iter()
+                .map(|(p, a)| (p, a, None))
+                .collect()
+        }
+    };
     if prose.len() < 2 * d.per_phase || code.len() < d.per_phase {
         return Err(HeliosError::Config(format!(
-            "{} has {} prose and {} code prompts of {PROMPT_BYTES:?} bytes; the trace needs {} and {}",
-            ctx.dataset,
+            "the trace needs {} prose and {} code prompts; {} prose ({PROMPT_BYTES:?} bytes) and \
+             {} code prompts were found",
+            2 * d.per_phase,
+            d.per_phase,
             prose.len(),
             code.len(),
-            2 * d.per_phase,
-            d.per_phase
         )));
     }
     let tok = &ctx.candidates[0].tokenizer;
@@ -183,21 +225,67 @@ fn drift_trace(ctx: &HeliosBenchContext<'_>, d: &DriftOptions) -> Result<(Vec<Jo
     let mut t = 0.0;
     let mut jobs = Vec::new();
     let mut phase_of = Vec::new();
-    let phases = [&prose[..d.per_phase], &code[..], &prose[d.per_phase..]];
-    for (p, pairs) in phases.iter().enumerate() {
-        for (prompt, answer) in pairs.iter() {
+    let mut problems = BTreeMap::new();
+    let as_code = |(p, a): &(String, String)| (p.clone(), a.clone(), None);
+    let phases: [Vec<(String, String, Option<HumanEvalItem>)>; 3] = [
+        prose[..d.per_phase].iter().map(as_code).collect(),
+        code,
+        prose[d.per_phase..].iter().map(as_code).collect(),
+    ];
+    for (p, items) in phases.into_iter().enumerate() {
+        for (prompt, answer, problem) in items {
+            let humaneval = problem.is_some();
+            if let Some(it) = problem {
+                problems.insert(jobs.len(), it);
+            }
             jobs.push(Job {
-                text: prompt.clone(),
-                prompt: tok.encode(prompt, true, false)?,
-                output_len: d.max_tokens,
-                reference: Some(answer.clone()),
+                prompt: tok.encode(&prompt, true, false)?,
+                text: prompt,
+                output_len: if humaneval {
+                    d.code_max_tokens
+                } else {
+                    d.max_tokens
+                },
+                reference: Some(answer),
                 arrival_s: t,
+                stop: if humaneval {
+                    HUMANEVAL_STOP.iter().map(|s| s.to_string()).collect()
+                } else {
+                    Vec::new()
+                },
             });
             phase_of.push(p);
             t += gap.sample(&mut rng);
         }
     }
-    Ok((jobs, phase_of))
+    Ok((jobs, phase_of, problems))
+}
+
+/// Pass or fail of each HumanEval request's completion, by request index.
+type Passes = BTreeMap<usize, bool>;
+
+/// Executes the HumanEval completions of `report` (decoded with the serving model's
+/// tokenizer) against their problems' tests.
+fn humaneval_passes(
+    report: &SystemReport,
+    problems: &BTreeMap<usize, HumanEvalItem>,
+    ctx: &HeliosBenchContext<'_>,
+    isolation: Isolation,
+) -> Result<Passes> {
+    let mut out = BTreeMap::new();
+    for (&i, item) in problems {
+        let r = &report.per_request[i];
+        let tok = &ctx
+            .candidates
+            .iter()
+            .find(|c| c.entry.name == r.model)
+            .ok_or_else(|| HeliosError::Config(format!("{} served but is no candidate", r.model)))?
+            .tokenizer;
+        let completion = tok.decode(&r.token_ids, true)?;
+        let outcome = run_tests(item, &completion, isolation)?;
+        out.insert(i, outcome.passed());
+    }
+    Ok(out)
 }
 
 const PHASES: [&str; 3] = ["prose", "code", "prose again"];
@@ -207,6 +295,7 @@ fn phase_rows(
     served: &[(String, usize)],
     phase_of: &[usize],
     refs: &ReferenceTable,
+    passes: &Passes,
 ) -> Vec<PhaseRow> {
     (0..PHASES.len())
         .map(|p| {
@@ -229,7 +318,11 @@ fn phase_rows(
                 }
             }
             let duration = (end - start).max(f64::MIN_POSITIVE);
+            let tested: Vec<bool> = idx.iter().filter_map(|i| passes.get(i).copied()).collect();
+            let passed = (!tested.is_empty()).then(|| tested.iter().filter(|&&p| p).count());
             PhaseRow {
+                passed,
+                pass_at_1: passed.map(|n| n as f64 / tested.len() as f64),
                 phase: PHASES[p].to_string(),
                 requests: idx.len(),
                 output_tokens: tokens,
@@ -258,6 +351,7 @@ fn drift_system(
     report: SystemReport,
     phase_of: &[usize],
     refs: &ReferenceTable,
+    passes: &Passes,
     layers: &dyn Fn(&str) -> usize,
 ) -> DriftSystem {
     let served: Vec<(String, usize)> = report
@@ -270,7 +364,7 @@ fn drift_system(
         .collect();
     DriftSystem {
         system: report.system.clone(),
-        phases: phase_rows(&report, &served, phase_of, refs),
+        phases: phase_rows(&report, &served, phase_of, refs, passes),
         served,
         report,
     }
@@ -292,7 +386,12 @@ pub fn run_drift(
             d.request_rate, d.per_phase
         )));
     }
-    let (jobs, phase_of) = drift_trace(ctx, d)?;
+    let (jobs, phase_of, problems) = drift_trace(ctx, d)?;
+    let isolation = (!problems.is_empty()).then(Isolation::detect);
+    let passes = |r: &SystemReport| match isolation {
+        Some(iso) => humaneval_passes(r, &problems, ctx, iso),
+        None => Ok(Passes::new()),
+    };
     let texts: Vec<ShadowText> = jobs
         .iter()
         .map(|j| ShadowText {
@@ -311,15 +410,18 @@ pub fn run_drift(
         ));
         let mut r = run_vanilla(c, &jobs, opts)?;
         r.system = format!("static {}", c.entry.name);
-        statics.push(drift_system(r, &phase_of, &refs, &layers));
+        let p = passes(&r)?;
+        statics.push(drift_system(r, &phase_of, &refs, &p, &layers));
     }
     on_phase(&format!("HELIOS ({:?} evaluation)", opts.policy.evaluation));
     let (h, _, shadow_rounds) = run_helios(ctx, &jobs, opts, &opts.policy)?;
-    let helios = drift_system(h, &phase_of, &refs, &layers);
+    let p = passes(&h)?;
+    let helios = drift_system(h, &phase_of, &refs, &p, &layers);
     let helios_serial = if opts.serial && opts.policy.evaluation != Evaluation::Serial {
         on_phase("HELIOS (serial evaluation)");
         let (s, _, _) = run_helios(ctx, &jobs, opts, &serial_policy(&opts.policy))?;
-        Some(drift_system(s, &phase_of, &refs, &layers))
+        let p = passes(&s)?;
+        Some(drift_system(s, &phase_of, &refs, &p, &layers))
     } else {
         None
     };
@@ -353,6 +455,7 @@ pub fn run_drift(
                 model: s.system.trim_start_matches("static ").to_string(),
                 output_tokens_per_s: row.output_tokens_per_s,
                 reference_bits_per_byte: row.reference_bits_per_byte,
+                pass_at_1: row.pass_at_1,
             });
         }
     }
@@ -380,6 +483,9 @@ pub fn run_drift(
         max_tokens: d.max_tokens,
         memory_budget_bytes: opts.memory_budget,
         max_bits_per_byte_increase: bound,
+        code: d.code,
+        code_max_tokens: d.code_max_tokens,
+        test_isolation: isolation,
         phases: PHASES.iter().map(|s| s.to_string()).collect(),
         helios_vs_oracle_throughput: helios.report.output_tokens_per_s / oracle_tps,
         oracle_output_tokens_per_s: oracle_tps,
@@ -400,12 +506,24 @@ impl DriftReport {
         let _ = writeln!(
             s,
             "### HELIOS on a drifting trace: {} requests per phase (prose, code, prose) of {}, \
-             Poisson arrivals at {} requests/s, {} output tokens each, budget {} MiB, quality \
-             bound {}\n",
+             Poisson arrivals at {} requests/s, {} output tokens each ({}), budget {} MiB, \
+             quality bound {}\n",
             self.per_phase,
             self.dataset,
             self.request_rate,
             self.max_tokens,
+            match self.code {
+                CodeSource::HumanEval => format!(
+                    "code: HumanEval, completions of up to {} tokens ending at its stop \
+                     sequences, pass@1 by executing the tests{}",
+                    self.code_max_tokens,
+                    match self.test_isolation {
+                        Some(Isolation::NoNetwork) => " with no network",
+                        _ => "",
+                    }
+                ),
+                CodeSource::ShareGpt => "code: ShareGPT prompts carrying code".to_string(),
+            },
             self.memory_budget_bytes >> 20,
             self.max_bits_per_byte_increase
                 .map_or("none".to_string(), |b| format!("+{b} bits/byte"))
@@ -415,7 +533,7 @@ impl DriftReport {
             "| system | output tok/s | TTFT P50 / P99 (s) | TPOT P50 / P99 (ms) | peak resident (MiB) | {} |",
             self.phases
                 .iter()
-                .map(|p| format!("{p}: tok/s, answer bits/byte, served by"))
+                .map(|p| format!("{p}: tok/s, answer bits/byte, [pass@1,] served by"))
                 .collect::<Vec<_>>()
                 .join(" | ")
         );
@@ -440,8 +558,11 @@ impl DriftReport {
                         .iter()
                         .map(|(m, n)| format!("{m} {n}"))
                         .collect();
+                    let pass = p
+                        .passed
+                        .map_or(String::new(), |n| format!(" pass@1 {n}/{},", p.requests));
                     format!(
-                        "{:.2}, {:.4}, {}",
+                        "{:.2}, {:.4},{pass} {}",
                         p.output_tokens_per_s,
                         p.reference_bits_per_byte,
                         by.join(" + ")
@@ -462,13 +583,17 @@ impl DriftReport {
             );
         }
         let _ = writeln!(s, "\nHindsight oracle (per phase, from the static runs):\n");
-        let _ = writeln!(s, "| phase | model | tok/s | answer bits/byte |");
-        let _ = writeln!(s, "|---|---|---|---|");
+        let _ = writeln!(s, "| phase | model | tok/s | answer bits/byte | pass@1 |");
+        let _ = writeln!(s, "|---|---|---|---|---|");
         for o in &self.oracle {
             let _ = writeln!(
                 s,
-                "| {} | {} | {:.2} | {:.4} |",
-                o.phase, o.model, o.output_tokens_per_s, o.reference_bits_per_byte
+                "| {} | {} | {:.2} | {:.4} | {} |",
+                o.phase,
+                o.model,
+                o.output_tokens_per_s,
+                o.reference_bits_per_byte,
+                o.pass_at_1.map_or("-".to_string(), |p| format!("{p:.3}"))
             );
         }
         let _ = writeln!(
