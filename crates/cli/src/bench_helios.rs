@@ -47,9 +47,9 @@ pub struct BenchHeliosArgs {
     /// ShareGPT prompts carrying code).
     #[arg(long, default_value = "humaneval", value_parser = ["humaneval", "sharegpt"])]
     code: String,
-    /// Drift trace: most output tokens of a HumanEval completion (it ends at a stop sequence
-    /// or the end of generation before).
-    #[arg(long, default_value_t = 256)]
+    /// Drift trace: output tokens of a HumanEval request (its completion is cut at the end of
+    /// generation and HumanEval's stop sequences).
+    #[arg(long, default_value_t = 128)]
     code_max_tokens: usize,
     /// Drift trace: requests per second of the Poisson arrivals.
     #[arg(long, default_value_t = 0.5)]

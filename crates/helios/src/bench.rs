@@ -286,6 +286,8 @@ pub struct Decisions {
     pub cbc_fired: u64,
     pub evaluation_requests: u64,
     pub shadow_rounds: u64,
+    pub shadow_texts: u64,
+    pub shadow_texts_skipped: u64,
     pub shadow_busy_seconds: f64,
     pub shadow_share_used: f64,
     pub shadow_peak_bytes: u64,
@@ -305,6 +307,8 @@ impl From<&Counters> for Decisions {
             cbc_fired: c.cbc_fired,
             evaluation_requests: c.evaluation_requests,
             shadow_rounds: c.shadow_rounds,
+            shadow_texts: c.shadow_texts,
+            shadow_texts_skipped: c.shadow_texts_skipped,
             shadow_busy_seconds: c.shadow_busy_seconds,
             shadow_share_used: c.shadow_share_used,
             shadow_peak_bytes: c.shadow_peak_bytes,
@@ -405,6 +409,7 @@ pub struct HeliosBenchReport {
 }
 
 /// A request of the trace.
+#[derive(Debug, Clone)]
 struct Job {
     text: String,
     /// Tokenized by the vanilla model's tokenizer.
@@ -414,26 +419,12 @@ struct Job {
     reference: Option<String>,
     /// Seconds after the run's start when the request is sent.
     arrival_s: f64,
-    /// Where the answer ends (a HumanEval completion); empty: exactly `output_len` tokens.
-    stop: Vec<String>,
 }
 
 fn greedy(n: usize) -> SamplingParams {
     SamplingParams {
         ignore_eos: true,
         ..SamplingParams::greedy(n.max(1))
-    }
-}
-
-/// A job's greedy sampling: exactly `output_len` tokens, or, with stop sequences, up to
-/// `output_len` ending at a stop sequence or the end of generation, as a user's would.
-fn job_params(j: &Job) -> SamplingParams {
-    if j.stop.is_empty() {
-        return greedy(j.output_len);
-    }
-    SamplingParams {
-        stop: j.stop.clone(),
-        ..SamplingParams::greedy(j.output_len.max(1))
     }
 }
 
@@ -489,7 +480,6 @@ pub fn run_bench_helios(
                 .map_or(r.output_len, |m| r.output_len.min(m)),
             reference: (!r.answer.is_empty()).then(|| r.answer.clone()),
             arrival_s: 0.0,
-            stop: Vec::new(),
         })
         .collect();
     if jobs.is_empty() {

@@ -22,9 +22,7 @@ use std::path::{Path, PathBuf};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Exp};
 use serde::Serialize;
-use switchyard_bench::quality::{
-    load_humaneval, run_tests, HumanEvalItem, Isolation, Pick, HUMANEVAL_STOP,
-};
+use switchyard_bench::quality::{load_humaneval, run_tests, HumanEvalItem, Isolation, Pick};
 use switchyard_bench::sharegpt::{exchanges_of_kind, PromptKind};
 
 use super::systems::{run_helios, run_vanilla};
@@ -50,7 +48,8 @@ pub struct DriftOptions {
     /// Output tokens per request (prose; code requests take `code_max_tokens`).
     pub max_tokens: usize,
     pub code: CodeSource,
-    /// Most output tokens of a HumanEval completion (it ends at a stop sequence before).
+    /// Output tokens of a HumanEval request; its completion is cut at the first
+    /// end-of-generation token and HumanEval's stop sequences.
     pub code_max_tokens: usize,
 }
 
@@ -248,11 +247,6 @@ fn drift_trace(ctx: &HeliosBenchContext<'_>, d: &DriftOptions) -> Result<Trace> 
                 },
                 reference: Some(answer),
                 arrival_s: t,
-                stop: if humaneval {
-                    HUMANEVAL_STOP.iter().map(|s| s.to_string()).collect()
-                } else {
-                    Vec::new()
-                },
             });
             phase_of.push(p);
             t += gap.sample(&mut rng);
@@ -281,7 +275,15 @@ fn humaneval_passes(
             .find(|c| c.entry.name == r.model)
             .ok_or_else(|| HeliosError::Config(format!("{} served but is no candidate", r.model)))?
             .tokenizer;
-        let completion = tok.decode(&r.token_ids, true)?;
+        // Every request generates its whole length (the same work for every system): the
+        // completion is what came before the first end-of-generation token.
+        let eog = switchyard_engine::end_of_generation_tokens(tok);
+        let end = r
+            .token_ids
+            .iter()
+            .position(|t| eog.contains(t))
+            .unwrap_or(r.token_ids.len());
+        let completion = tok.decode(&r.token_ids[..end], true)?;
         let outcome = run_tests(item, &completion, isolation)?;
         out.insert(i, outcome.passed());
     }
@@ -408,7 +410,17 @@ pub fn run_drift(
             "static {} (full depth, whole budget)",
             c.entry.name
         ));
-        let mut r = run_vanilla(c, &jobs, opts)?;
+        // Each candidate reads the prompts in its own tokens, as HELIOS hands them to it.
+        let own = jobs
+            .iter()
+            .map(|j| {
+                Ok(Job {
+                    prompt: c.tokenizer.encode(&j.text, true, true)?,
+                    ..j.clone()
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut r = run_vanilla(c, &own, opts)?;
         r.system = format!("static {}", c.entry.name);
         let p = passes(&r)?;
         statics.push(drift_system(r, &phase_of, &refs, &p, &layers));
@@ -514,8 +526,8 @@ impl DriftReport {
             self.max_tokens,
             match self.code {
                 CodeSource::HumanEval => format!(
-                    "code: HumanEval, completions of up to {} tokens ending at its stop \
-                     sequences, pass@1 by executing the tests{}",
+                    "code: HumanEval, {} tokens each, completions cut at the end of \
+                     generation and HumanEval's stop sequences, pass@1 by executing the tests{}",
                     self.code_max_tokens,
                     match self.test_isolation {
                         Some(Isolation::NoNetwork) => " with no network",
@@ -616,8 +628,10 @@ impl DriftReport {
         if let Some(d) = &self.helios.report.decisions {
             let _ = writeln!(
                 s,
-                "\nHELIOS shadow scoring: {} rounds, {:.1} s computing ({:.1}% of its time), {} switches, {} depth changes.",
+                "\nHELIOS shadow scoring: {} rounds of {} prompts ({} sampled prompts skipped, displaced by newer ones while the scorer was busy), {:.1} s computing ({:.1}% of its time), {} switches, {} depth changes.",
                 d.shadow_rounds,
+                d.shadow_texts,
+                d.shadow_texts_skipped,
                 d.shadow_busy_seconds,
                 100.0 * d.shadow_share_used,
                 d.switches,

@@ -12,9 +12,8 @@ use switchyard_exits::baseline::{generate_early_exit, EeContext};
 use switchyard_exits::{ConfidenceMeasure, ExitPolicy, KvFix};
 
 use super::{
-    greedy, job_params, percentiles, secs, BenchCandidate, Decisions, DepthCount,
-    HeliosBenchContext, HeliosBenchOptions, Job, RequestRecord, SystemReport, POLL, STATS_EVERY,
-    WARM_UP,
+    greedy, percentiles, secs, BenchCandidate, Decisions, DepthCount, HeliosBenchContext,
+    HeliosBenchOptions, Job, RequestRecord, SystemReport, POLL, STATS_EVERY, WARM_UP,
 };
 use crate::orchestrator::{
     CandidateEngine, HeliosOutput, HeliosPrompt, HeliosRequest, HeliosStream, Orchestrator,
@@ -114,7 +113,7 @@ pub(super) fn run_vanilla(
             if slot.is_none() && secs(t0.elapsed()) >= j.arrival_s {
                 *slot = Some(h.add_request(EngineRequest {
                     prompt: j.prompt.clone(),
-                    params: job_params(j),
+                    params: greedy(j.output_len),
                 })?);
                 any = true;
             }
@@ -201,7 +200,7 @@ pub(super) fn run_ee_llm(
     let mut per_request = Vec::with_capacity(jobs.len());
     for j in jobs {
         let start = Instant::now();
-        let g = generate_early_exit(&ee, tok, &j.prompt, &job_params(j), |_| {})?;
+        let g = generate_early_exit(&ee, tok, &j.prompt, &greedy(j.output_len), |_| {})?;
         let end = Instant::now();
         longest = longest.max(j.prompt.len() + g.tokens.len());
         let ttft = secs(start.saturating_duration_since(t0)) + g.prompt_secs;
@@ -351,7 +350,7 @@ fn drive_helios(
             if slot.is_none() && secs(t0.elapsed()) >= j.arrival_s {
                 *slot = Some(o.submit(HeliosRequest {
                     prompt: HeliosPrompt::Text(j.text.clone()),
-                    params: job_params(j),
+                    params: greedy(j.output_len),
                     reference: j.reference.clone(),
                 })?);
                 any = true;

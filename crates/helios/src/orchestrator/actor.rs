@@ -832,7 +832,12 @@ impl State {
         if sh.busy || sh.pending.len() < window {
             return;
         }
-        let texts: Vec<ShadowText> = sh.pending.drain(..window).collect();
+        // The newest texts: a round scores the traffic as it is now. Texts that arrived while
+        // the scorer was busy and that newer ones displaced are skipped, and counted.
+        let stale = sh.pending.len() - window;
+        sh.pending.drain(..stale);
+        self.counters.shadow_texts_skipped += stale as u64;
+        let texts: Vec<ShadowText> = sh.pending.drain(..).collect();
         if sh.tx.send(texts).is_ok() {
             sh.busy = true;
         }

@@ -25,8 +25,16 @@
 //! ([`Counters::switch_drained`], [`Counters::switch_moved`], always 0 under this policy).
 //!
 //! Memory: every candidate engine lives inside its own memory budget, given by the caller
-//! (for example equal shares of one budget); the orchestrator never moves memory between
-//! them, so the sum of the shares bounds the whole.
+//! (for example equal shares of one budget). Under serial evaluation the orchestrator never
+//! moves memory between them, so the sum of the shares bounds the whole. Under shadow
+//! evaluation the engines that do not serve are parked (no layer, embedding, head or KV
+//! pool) and the sum follows the serving engine: the others keep what they hold plus the K/V
+//! their draining sequences need to finish, the scorers' peak is set aside, and the serving
+//! engine gets the rest.
+//!
+//! The actor sleeps on a [`switchyard_engine::Doorbell`] that every request's outputs, every
+//! command and every finished shadow round rings, so it wakes when something moved rather
+//! than on a timer.
 //!
 //! The orchestrator is an actor: one thread owns the PHT, the counters and the engines'
 //! request streams; [`Orchestrator`] is its cloneable handle. Remote candidates come to it as
@@ -213,6 +221,8 @@ pub struct Counters {
     /// scorer's compute and sleep, and the share of time it computed.
     pub shadow_rounds: u64,
     pub shadow_texts: u64,
+    /// Sampled prompts never scored: newer ones displaced them while the scorer was busy.
+    pub shadow_texts_skipped: u64,
     pub shadow_busy_seconds: f64,
     pub shadow_slept_seconds: f64,
     pub shadow_share_used: f64,
