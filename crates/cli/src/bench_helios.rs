@@ -99,10 +99,17 @@ pub struct BenchHeliosArgs {
     /// Also run HELIOS with serial evaluation beside the shadow run.
     #[arg(long)]
     serial: bool,
+    /// Stationary trace: serve vanilla and HELIOS this many times each, alternating which
+    /// goes first, and report the median of their throughput ratios.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=100))]
+    repeats: u64,
     /// Most share of the wall time shadow scoring computes.
     #[arg(long, default_value_t = ShadowConfig::default().share)]
     shadow_share: f64,
     /// Sampled prompts per shadow scoring round.
+    #[arg(long, default_value_t = ShadowConfig::default().round)]
+    shadow_round: usize,
+    /// Scored prompts a shadow decision reads (a sliding window over the rounds).
     #[arg(long, default_value_t = ShadowConfig::default().window)]
     shadow_window: usize,
     /// One request in this many has its prompt scored.
@@ -310,6 +317,7 @@ fn options(
             },
             shadow: ShadowConfig {
                 share: a.shadow_share,
+                round: a.shadow_round,
                 window: a.shadow_window,
                 sample_every: a.shadow_sample_every,
                 max_text_bytes: a.shadow_max_bytes,
@@ -325,6 +333,7 @@ fn options(
         max_tokens: a.max_tokens,
         ablation: a.ablation,
         serial: a.serial,
+        repeats: a.repeats as usize,
     }
 }
 

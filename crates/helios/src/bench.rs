@@ -228,6 +228,22 @@ pub struct HeliosBenchOptions {
     pub ablation: bool,
     /// Also run HELIOS with serial evaluation (the paper's), beside the policy's own.
     pub serial: bool,
+    /// Stationary trace: vanilla and HELIOS served this many times each, alternating, so
+    /// that their throughput ratio is a median over pairs rather than one draw of this
+    /// machine's noise (1: one run each).
+    pub repeats: usize,
+}
+
+/// One alternating pair of the stationary trace's repeats.
+#[derive(Debug, Clone, Serialize)]
+pub struct RepeatPair {
+    /// Which of the two ran first in this pair.
+    pub first: String,
+    pub vanilla_output_tokens_per_s: f64,
+    pub helios_output_tokens_per_s: f64,
+    pub helios_vs_vanilla_throughput: f64,
+    pub vanilla_ttft_p99_s: f64,
+    pub helios_ttft_p99_s: f64,
 }
 
 /// What the benchmark runs on: the repository, its opened local candidates, and the trace
@@ -396,9 +412,13 @@ pub struct HeliosBenchReport {
     pub helios_serial_vs_vanilla_throughput: Option<f64>,
     /// Shadow evaluation's rounds (empty under serial evaluation).
     pub shadow_rounds: Vec<crate::orchestrator::ShadowRound>,
-    /// HELIOS output tokens/s over EE-LLM's and over vanilla's.
+    /// HELIOS output tokens/s over EE-LLM's and over vanilla's (the first pair's).
     pub helios_vs_ee_llm_throughput: f64,
     pub helios_vs_vanilla_throughput: f64,
+    /// Every alternating pair of vanilla and HELIOS runs (the first is the one above), and
+    /// the median of their throughput ratios.
+    pub pairs: Vec<RepeatPair>,
+    pub helios_vs_vanilla_throughput_median: f64,
     /// HELIOS's largest batch over EE-LLM's (1).
     pub helios_vs_ee_llm_batch: f64,
     /// 1 - HELIOS's TPOT P50 over EE-LLM's.
@@ -502,6 +522,39 @@ pub fn run_bench_helios(
         pht = serial_pht;
     }
 
+    let pair = |first: &str, v: &SystemReport, h: &SystemReport| RepeatPair {
+        first: first.to_string(),
+        vanilla_output_tokens_per_s: v.output_tokens_per_s,
+        helios_output_tokens_per_s: h.output_tokens_per_s,
+        helios_vs_vanilla_throughput: h.output_tokens_per_s / v.output_tokens_per_s,
+        vanilla_ttft_p99_s: v.ttft_s.p99,
+        helios_ttft_p99_s: h.ttft_s.p99,
+    };
+    let mut pairs = vec![pair("vanilla", &vanilla, &helios)];
+    for k in 1..opts.repeats.max(1) {
+        on_phase(&format!("repeat {} of {}", k + 1, opts.repeats));
+        // Alternate which system goes first, so that neither always runs on a warmer (or
+        // busier) machine.
+        let helios_first = k % 2 == 1;
+        let (v, h) = if helios_first {
+            let (h, _, _) = run_helios(ctx, &jobs, opts, &opts.policy)?;
+            (run_vanilla(vanilla_c, &jobs, opts)?, h)
+        } else {
+            let v = run_vanilla(vanilla_c, &jobs, opts)?;
+            (v, run_helios(ctx, &jobs, opts, &opts.policy)?.0)
+        };
+        pairs.push(pair(
+            if helios_first { "HELIOS" } else { "vanilla" },
+            &v,
+            &h,
+        ));
+    }
+    let ratios: Vec<f64> = pairs
+        .iter()
+        .map(|p| p.helios_vs_vanilla_throughput)
+        .collect();
+    let helios_vs_vanilla_throughput_median = median(&ratios);
+
     let full_bpb = vanilla.bits_per_byte;
     for s in [&mut vanilla, &mut ee, &mut helios]
         .into_iter()
@@ -599,6 +652,8 @@ pub fn run_bench_helios(
         shadow_rounds,
         helios_vs_ee_llm_throughput: helios.output_tokens_per_s / ee.output_tokens_per_s,
         helios_vs_vanilla_throughput: helios.output_tokens_per_s / vanilla.output_tokens_per_s,
+        pairs,
+        helios_vs_vanilla_throughput_median,
         helios_vs_ee_llm_batch: helios.largest_batch as f64 / ee.largest_batch.max(1) as f64,
         helios_tpot_p50_reduction_vs_ee_llm: 1.0 - helios.tpot_s.p50 / ee.tpot_s.p50,
         vanilla,

@@ -106,6 +106,10 @@ pub struct ShadowScore {
     pub texts: usize,
     /// The prompts.
     pub prompt: DepthNats,
+    /// Each text's prompt alone, in the order the texts were given (a text too short to
+    /// score has no bytes): what a decision over a sliding window of texts adds up.
+    #[serde(skip)]
+    pub per_prompt: Vec<DepthNats>,
     /// The reference answers, scored after their prompts (empty when none was given).
     pub reference: DepthNats,
     /// Per prompt token, the first scored depth whose confidence passes the threshold.
@@ -388,6 +392,7 @@ impl ShadowScorer {
             model: self.name.clone(),
             texts: seqs.len(),
             prompt: DepthNats::new(&self.depths),
+            per_prompt: texts.iter().map(|_| DepthNats::default()).collect(),
             reference: DepthNats::new(&self.depths),
             exits: ExitHistogram::new(),
             busy_s: 0.0,
@@ -401,6 +406,11 @@ impl ShadowScorer {
         for s in &seqs {
             out.prompt.bytes += s.prompt_bytes as u64;
             out.prompt.tokens += s.prompt_targets as u64;
+            out.per_prompt[s.text] = DepthNats {
+                bytes: s.prompt_bytes as u64,
+                tokens: s.prompt_targets as u64,
+                nats: self.depths.iter().map(|&d| (d, 0.0)).collect(),
+            };
             out.reference.bytes += s.reference_bytes as u64;
             out.reference.tokens += (s.ids.len() - 1 - s.prompt_targets) as u64;
         }
@@ -554,24 +564,32 @@ impl ShadowScorer {
                     continue;
                 }
                 let full_nats: f64 = full[seg.clone()].iter().map(|r| r.0).sum();
-                if let Some(last) = nats.last_mut() {
-                    last.1 += full_nats;
-                }
                 let first = k;
                 while k < sampled.len() && sampled[k] < seg.end {
                     k += 1;
                 }
                 let rows = &sampled[first..k];
                 let scale = seg.len() as f64 / rows.len().max(1) as f64;
-                for (i, exit) in exits.iter().enumerate() {
-                    let diff: f64 = (first..k)
-                        .zip(rows)
-                        .map(|(j, &r)| exit[j].0 - full[r].0)
-                        .sum();
-                    nats[i].1 += full_nats + scale * diff;
+                // The segment's nats at each scored depth, full depth last.
+                let seg_nats: Vec<f64> = exits
+                    .iter()
+                    .map(|exit| {
+                        let diff: f64 = (first..k)
+                            .zip(rows)
+                            .map(|(j, &r)| exit[j].0 - full[r].0)
+                            .sum();
+                        full_nats + scale * diff
+                    })
+                    .chain(std::iter::once(full_nats))
+                    .collect();
+                for (total, n) in nats.iter_mut().zip(&seg_nats) {
+                    total.1 += n;
                 }
                 if seg.start != range.start {
                     continue;
+                }
+                for (total, n) in out.per_prompt[s.text].nats.iter_mut().zip(&seg_nats) {
+                    total.1 += n;
                 }
                 // The prompt's sampled rows: the exit histogram.
                 for j in first..k {
@@ -589,7 +607,7 @@ impl ShadowScorer {
         let tok = &self.tokenizer;
         let context = self.model.spec().context_length;
         let mut out = Vec::with_capacity(texts.len());
-        for t in texts {
+        for (text, t) in texts.iter().enumerate() {
             let prompt = cut_text(&t.prompt, max_bytes);
             let mut ids = tok.encode(prompt, true, false)?;
             let bos_added = tok.adds_bos() && ids.first() == tok.bos_id().as_ref();
@@ -627,6 +645,7 @@ impl ShadowScorer {
                 )));
             }
             out.push(Tokenized {
+                text,
                 ids,
                 prompt_targets,
                 prompt_bytes,
@@ -639,6 +658,8 @@ impl ShadowScorer {
 
 /// A text as one candidate's tokens.
 struct Tokenized {
+    /// Index of the text among those given.
+    text: usize,
     /// Prompt tokens (BOS first when the model adds one), then the reference's.
     ids: Vec<u32>,
     /// Targets `ids[1..=prompt_targets]` belong to the prompt, the rest to the reference.

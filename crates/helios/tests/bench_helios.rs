@@ -154,6 +154,7 @@ fn bench_helios_report_adds_up_on_real_models() {
         max_tokens: Some(TOKENS),
         ablation: false,
         serial: true,
+        repeats: 2,
     };
     let ctx = HeliosBenchContext {
         repo: &repo,
@@ -164,7 +165,8 @@ fn bench_helios_report_adds_up_on_real_models() {
     };
     let mut phases = Vec::new();
     let r = run_bench_helios(&ctx, &opts, |p| phases.push(p.to_string())).expect("bench");
-    assert_eq!(phases.len(), 4, "{phases:?}");
+    assert_eq!(phases.len(), 5, "{phases:?}");
+    assert_eq!(phases[4], "repeat 2 of 2", "{phases:?}");
     for s in [&r.vanilla, &r.ee_llm, &r.helios] {
         check_sums(s);
     }
@@ -253,7 +255,25 @@ fn bench_helios_report_adds_up_on_real_models() {
         .all(|q| q.model == SMOL || q.model == QWEN));
     assert_eq!(r.pht.rows().len(), 2);
 
+    // Repeats: the first pair is the table's, the second ran HELIOS first; the median of two
+    // ratios is their mean.
+    assert_eq!(r.pairs.len(), 2);
+    assert_eq!(
+        (r.pairs[0].first.as_str(), r.pairs[1].first.as_str()),
+        ("vanilla", "HELIOS")
+    );
+    assert!(close(
+        r.pairs[0].helios_output_tokens_per_s,
+        r.helios.output_tokens_per_s
+    ));
+    let (a, b) = (
+        r.pairs[0].helios_vs_vanilla_throughput,
+        r.pairs[1].helios_vs_vanilla_throughput,
+    );
+    assert!(close(r.helios_vs_vanilla_throughput_median, (a + b) / 2.0));
+
     let md = r.markdown();
+    assert!(md.contains("median of the pairs"), "{md}");
     for row in [
         "| vanilla | 4 |",
         "| EE-LLM | 4 |",

@@ -6,8 +6,8 @@
 //! back after the next one. Every request is answered by the serving model alone; the
 //! scores come from the sampled prompts, never from a model's own output.
 //!
-//! Small settings keep it short: every prompt sampled, rounds of 4 prompts, 2 agreeing rounds
-//! before a switch, 4 output tokens per request. The test waits for each round's result
+//! Small settings keep it short: every prompt sampled, rounds of 2 prompts, decisions on the
+//! last 4 scored prompts, 2 agreeing rounds before a switch, 4 output tokens per request. The test waits for each round's result
 //! before the next request, so the bound does not depend on the machine's speed.
 
 use std::sync::Arc;
@@ -29,6 +29,7 @@ const QWEN: &str = "qwen2.5-coder-0.5b-instruct";
 const SMOL: &str = "smollm2-135m-instruct";
 /// Bits per byte above the best candidate's full depth on the round's prompts.
 const BOUND: f64 = 0.2;
+const ROUND: usize = 2;
 const WINDOW: usize = 4;
 const SWITCH_AFTER: usize = 2;
 const PHASE: usize = 12;
@@ -130,6 +131,7 @@ fn shadow_evaluation_follows_prose_then_code_then_prose() {
         shadow: ShadowConfig {
             share: 1.0,
             sample_every: 1,
+            round: ROUND,
             window: WINDOW,
             switch_after: SWITCH_AFTER,
             ..ShadowConfig::default()
@@ -163,8 +165,8 @@ fn shadow_evaluation_follows_prose_then_code_then_prose() {
         );
         assert_eq!(done.completion.token_ids.len(), 4);
         served.push(done.model.to_string());
-        if (i + 1) % WINDOW == 0 {
-            wait_rounds(&o, ((i + 1) / WINDOW) as u64);
+        if (i + 1) % ROUND == 0 {
+            wait_rounds(&o, ((i + 1) / ROUND) as u64);
         }
     }
     let stats = o.stats_blocking().expect("stats");
@@ -193,8 +195,9 @@ fn shadow_evaluation_follows_prose_then_code_then_prose() {
 
     // Prose first: the fast model, from offline telemetry.
     assert!(served[..PHASE].iter().all(|m| m == SMOL), "{served:?}");
-    // Code: on the coder within WINDOW × SWITCH_AFTER requests of the change, and kept.
-    let lag = WINDOW * SWITCH_AFTER;
+    // Code: on the coder within one round for the window to lean to code and SWITCH_AFTER
+    // agreeing rounds after it, and kept.
+    let lag = ROUND * (SWITCH_AFTER + 1);
     let code_phase = &served[PHASE..2 * PHASE];
     let first = code_phase
         .iter()
@@ -216,7 +219,7 @@ fn shadow_evaluation_follows_prose_then_code_then_prose() {
     );
     let c = &stats.counters;
     assert_eq!(c.switches, 2, "{c:?}");
-    assert_eq!(c.shadow_rounds as usize, trace.len() / WINDOW);
+    assert_eq!(c.shadow_rounds as usize, trace.len() / ROUND);
     assert_eq!(c.shadow_texts as usize, trace.len());
     assert_eq!(c.shadow_errors, 0);
     assert_eq!(c.evaluation_requests, 0);

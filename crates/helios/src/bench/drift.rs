@@ -89,6 +89,8 @@ pub struct DriftSystem {
     pub phases: Vec<PhaseRow>,
     /// `(model, depth)` that served each request, in trace order.
     pub served: Vec<(String, usize)>,
+    /// Each HumanEval request's outcome, by request index: its completion passed its tests.
+    pub passed: BTreeMap<usize, bool>,
 }
 
 /// The hindsight oracle: per phase, the static candidate it would have run.
@@ -368,6 +370,7 @@ fn drift_system(
         system: report.system.clone(),
         phases: phase_rows(&report, &served, phase_of, refs, passes),
         served,
+        passed: passes.clone(),
         report,
     }
 }
@@ -624,6 +627,42 @@ impl DriftReport {
                     format!("dominated by {}", names.join(", "))
                 }
             );
+        }
+        if !self.helios.passed.is_empty() {
+            let _ = writeln!(
+                s,
+                "\nHumanEval problem by problem: HELIOS against each static run on the problems \
+                 HELIOS served with that model (same model, same prompt: the completions should \
+                 be the same tokens):\n"
+            );
+            for st in &self.statics {
+                let model = st.system.trim_start_matches("static ");
+                let mine: Vec<usize> = self
+                    .helios
+                    .passed
+                    .keys()
+                    .copied()
+                    .filter(|&i| self.helios.served.get(i).is_some_and(|(m, _)| m == model))
+                    .collect();
+                let same = mine
+                    .iter()
+                    .filter(|&&i| {
+                        self.helios.report.per_request.get(i).map(|r| &r.token_ids)
+                            == st.report.per_request.get(i).map(|r| &r.token_ids)
+                    })
+                    .count();
+                let count = |p: &BTreeMap<usize, bool>| {
+                    mine.iter().filter(|i| p.get(i) == Some(&true)).count()
+                };
+                let _ = writeln!(
+                    s,
+                    "- {model}: {} problems, {same} identical completions; passed {} under \
+                     HELIOS, {} alone",
+                    mine.len(),
+                    count(&self.helios.passed),
+                    count(&st.passed),
+                );
+            }
         }
         if let Some(d) = &self.helios.report.decisions {
             let _ = writeln!(

@@ -65,6 +65,44 @@ impl HeliosBenchReport {
         if let Some(x) = self.helios_serial_vs_vanilla_throughput {
             let _ = writeln!(s, "HELIOS serial / vanilla: {x:.2}x output tokens/s.");
         }
+        if self.pairs.len() > 1 {
+            let _ = writeln!(
+                s,
+                "\nVanilla and HELIOS {} alternating, {} times each (the first pair is the table's):\n",
+                self.helios.system,
+                self.pairs.len()
+            );
+            let _ = writeln!(
+                s,
+                "| pair | first | vanilla tok/s | HELIOS tok/s | HELIOS / vanilla | TTFT P99 vanilla / HELIOS (s) |"
+            );
+            let _ = writeln!(s, "|---|---|---|---|---|---|");
+            for (i, p) in self.pairs.iter().enumerate() {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {:.2} | {:.2} | {:.3}x | {:.2} / {:.2} |",
+                    i + 1,
+                    p.first,
+                    p.vanilla_output_tokens_per_s,
+                    p.helios_output_tokens_per_s,
+                    p.helios_vs_vanilla_throughput,
+                    p.vanilla_ttft_p99_s,
+                    p.helios_ttft_p99_s
+                );
+            }
+            let (lo, hi) = self
+                .pairs
+                .iter()
+                .map(|p| p.helios_vs_vanilla_throughput)
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
+                    (a.min(x), b.max(x))
+                });
+            let _ = writeln!(
+                s,
+                "\nHELIOS / vanilla, median of the pairs: {:.3}x (range {lo:.3}–{hi:.3}x).",
+                self.helios_vs_vanilla_throughput_median
+            );
+        }
         // Shadow evaluation serves no evaluation request.
         if let Some(d) = self
             .helios

@@ -27,7 +27,7 @@ use crate::policy::{
     ProfileReason, Remedy, ReprofileClock, Serving,
 };
 use crate::policy::{Evaluation, SwitchGate};
-use crate::shadow::{ScoreSettings, ShadowScore, ShadowScorer, ShadowText, Throttle};
+use crate::shadow::{DepthNats, ScoreSettings, ShadowScore, ShadowScorer, ShadowText, Throttle};
 use crate::{HeliosError, Result};
 use std::collections::BTreeMap;
 
@@ -117,6 +117,9 @@ struct Shadow {
     /// Whether prompts are sampled at all (off when no score can change the choice).
     scoring: bool,
     pending: Vec<ShadowText>,
+    /// The last `window` scored prompts, each candidate's nats on each: what a decision
+    /// reads.
+    recent: VecDeque<BTreeMap<String, DepthNats>>,
     gate: SwitchGate,
     rounds: Vec<ShadowRound>,
 }
@@ -825,7 +828,7 @@ impl State {
     /// Sends the sampled prompts to the scorer when a round's worth is ready and the scorer
     /// is free.
     fn send_round(&mut self) {
-        let window = self.policy.config.shadow.window;
+        let window = self.policy.config.shadow.round;
         let Some(sh) = self.shadow.as_mut() else {
             return;
         };
@@ -883,8 +886,9 @@ impl State {
         };
         c.shadow_rounds += 1;
         c.shadow_texts += r.texts as u64;
-        let by_model: BTreeMap<String, ShadowScore> =
-            scores.into_iter().map(|s| (s.model.clone(), s)).collect();
+        let window = self.policy.config.shadow.window;
+        let sh = self.shadow.as_mut().expect("shadow state checked above");
+        let by_model = slide_window(&mut sh.recent, window, scores, r.texts);
         let Phase::Serving { serving, .. } = &self.phase else {
             self.send_round();
             return true;
@@ -1125,6 +1129,41 @@ pub(super) fn run(mut s: State, rx: mpsc::Receiver<Command>) {
     }
 }
 
+/// Adds a round's per-prompt scores to the sliding window of the last `window` prompts,
+/// and returns each candidate's round score with its prompt nats summed over that window
+/// (the rest, such as the exit histogram and the timings, is the round's own).
+fn slide_window(
+    recent: &mut VecDeque<BTreeMap<String, DepthNats>>,
+    window: usize,
+    scores: Vec<ShadowScore>,
+    texts: usize,
+) -> BTreeMap<String, ShadowScore> {
+    for t in 0..texts {
+        recent.push_back(
+            scores
+                .iter()
+                .filter_map(|s| Some((s.model.clone(), s.per_prompt.get(t)?.clone())))
+                .collect(),
+        );
+    }
+    while recent.len() > window.max(1) {
+        recent.pop_front();
+    }
+    scores
+        .into_iter()
+        .map(|mut s| {
+            let mut sum = DepthNats::default();
+            for text in recent.iter() {
+                if let Some(n) = text.get(&s.model).filter(|n| n.bytes > 0) {
+                    sum.merge(n);
+                }
+            }
+            s.prompt = sum;
+            (s.model.clone(), s)
+        })
+        .collect()
+}
+
 /// Starts the scorer thread over `scorers`, which must cover every local selected candidate.
 fn start_scorer(
     repo: &Manifest,
@@ -1169,6 +1208,7 @@ fn start_scorer(
         busy: false,
         scoring,
         pending: Vec::new(),
+        recent: VecDeque::new(),
         gate: SwitchGate::new(cfg.shadow.switch_after),
         rounds: Vec::new(),
     })

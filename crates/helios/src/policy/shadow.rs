@@ -58,6 +58,10 @@ pub struct ShadowConfig {
     /// One request in this many has its prompt sampled for scoring.
     pub sample_every: usize,
     /// Sampled prompts per scoring round; each round can lead to a decision.
+    pub round: usize,
+    /// A decision is made on the last `window` scored prompts, whichever rounds scored
+    /// them: a sliding window, so a phase change shows after a round or two while one odd
+    /// prompt cannot move the choice alone.
     pub window: usize,
     /// Most bytes of a prompt (or reference) scored.
     pub max_text_bytes: usize,
@@ -76,6 +80,7 @@ impl Default for ShadowConfig {
         Self {
             share: 0.1,
             sample_every: 4,
+            round: 2,
             window: 6,
             max_text_bytes: 1024,
             switch_after: 2,
@@ -95,12 +100,13 @@ impl ShadowConfig {
             ));
         }
         if self.sample_every == 0
+            || self.round == 0
             || self.window == 0
             || self.switch_after == 0
             || self.exit_stride == 0
         {
             return bad(
-                "shadow.sample_every, window, switch_after and exit_stride must be at least 1"
+                "shadow.sample_every, round, window, switch_after and exit_stride must be at least 1"
                     .into(),
             );
         }
@@ -315,6 +321,7 @@ memory_bytes = 500000000
                     .map(|&(d, b)| (d, b * bytes as f64 * std::f64::consts::LN_2))
                     .collect(),
             },
+            per_prompt: Vec::new(),
             reference: DepthNats::default(),
             exits: ExitHistogram::from_counts(exits.iter().copied()),
             busy_s: 1.0,
@@ -418,6 +425,10 @@ memory_bytes = 500000000
             },
             ShadowConfig {
                 window: 0,
+                ..ShadowConfig::default()
+            },
+            ShadowConfig {
+                round: 0,
                 ..ShadowConfig::default()
             },
             ShadowConfig {
