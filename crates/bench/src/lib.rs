@@ -11,6 +11,7 @@ pub mod quality;
 pub mod serve;
 pub mod sharegpt;
 pub mod stats;
+pub mod step;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {

@@ -12,6 +12,10 @@ use crate::output::write_json;
 pub enum BenchCommand {
     /// Prompt and decode tokens/s at batch 1 (median of several runs).
     Engine(EngineArgs),
+    /// Where a batched decode step's time goes (products by kind, attention, K/V writes, LM
+    /// head, sampling, scheduling, output) at several batches and contexts, beside this
+    /// machine's read bandwidth and int8 throughput.
+    Step(StepArgs),
     /// GFLOP/s and GB/s of the quantized kernels (scalar reference, candle, ours) on every
     /// tensor type and shape of the zoo's models.
     Kernels(KernelsArgs),
@@ -59,6 +63,7 @@ pub struct EngineArgs {
 pub fn run(cmd: BenchCommand, threads: usize) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Engine(a) => engine(a, threads),
+        BenchCommand::Step(a) => step(a, threads),
         BenchCommand::Kernels(a) => kernels(a, threads),
         BenchCommand::Exits(a) => crate::exits::run_bench_exits(a, threads),
         BenchCommand::Offline(a) => crate::offline::run(a, threads),
@@ -98,6 +103,72 @@ fn engine(a: EngineArgs, threads: usize) -> anyhow::Result<()> {
         "{} ({} threads, depth {}/{}, {} kernels): prompt {} tokens: {:.1} tokens/s | decode {} tokens: {:.1} tokens/s (median of {}) | LM head {:.2} ms = {:.0}% of a decode step",
         r.model, r.threads, r.depth, r.n_layers, r.kernels, r.prompt_tokens, r.prompt_tokens_per_s, r.decode_tokens, r.decode_tokens_per_s, r.runs, r.lm_head_ms, 100.0 * r.lm_head_share_of_decode_step
     );
+    write_json(&a.json, &r)
+}
+
+#[derive(Args)]
+pub struct StepArgs {
+    #[arg(long, default_value = switchyard_zoo::DEFAULT_MODEL)]
+    model: String,
+    /// Sequences decoding together.
+    #[arg(long, value_delimiter = ',', default_values_t = switchyard_bench::step::DEFAULT_BATCHES.to_vec())]
+    batches: Vec<usize>,
+    /// Prompt tokens each sequence holds when its decode steps are measured.
+    #[arg(long, value_delimiter = ',', default_values_t = switchyard_bench::step::DEFAULT_CONTEXTS.to_vec())]
+    contexts: Vec<usize>,
+    /// Decode steps averaged per cell.
+    #[arg(long, default_value_t = switchyard_bench::step::DEFAULT_STEPS)]
+    steps: usize,
+    /// K/V cache format: f32, f16 or int8.
+    #[arg(long, default_value = "f32")]
+    kv_format: switchyard_engine::KvFormat,
+    /// Bytes the engine may hold, e.g. 8GiB.
+    #[arg(long, default_value = "8GiB", value_parser = parse_budget)]
+    memory_budget: u64,
+    /// Write the result as JSON to FILE (stdout when omitted).
+    #[arg(long, value_name = "FILE", num_args = 0..=1)]
+    json: Option<Option<std::path::PathBuf>>,
+    /// Write the Markdown table to FILE.
+    #[arg(long, value_name = "FILE")]
+    markdown: Option<std::path::PathBuf>,
+    /// Draw `step.png` into DIR.
+    #[arg(long, value_name = "DIR")]
+    plot: Option<std::path::PathBuf>,
+}
+
+fn parse_budget(s: &str) -> Result<u64, String> {
+    switchyard_engine::kv::parse_bytes(s).map_err(|e| e.to_string())
+}
+
+fn step(a: StepArgs, threads: usize) -> anyhow::Result<()> {
+    let path = switchyard_zoo::resolve_model(&a.model)?;
+    let source = switchyard_weights::open(&path)?;
+    let tokenizer = std::sync::Arc::new(switchyard_tokenizer::Tokenizer::from_source(&*source)?);
+    let load = || {
+        Ok(switchyard_models::LayeredModel::load(
+            std::sync::Arc::clone(&source),
+            &LoadOptions::default(),
+        )?)
+    };
+    let opts = switchyard_bench::step::StepBenchOptions {
+        batches: a.batches,
+        contexts: a.contexts,
+        steps: a.steps,
+        memory_budget: a.memory_budget,
+        kv_format: a.kv_format,
+    };
+    let r = switchyard_bench::step::bench_step(&load, &tokenizer, &a.model, threads, &opts, |c| {
+        eprintln!("bench step: {c}")
+    })?;
+    let md = r.markdown();
+    eprintln!("{md}");
+    if let Some(p) = &a.markdown {
+        std::fs::write(p, &md)?;
+    }
+    if let Some(dir) = &a.plot {
+        let png = r.plot(dir)?;
+        eprintln!("wrote {}", png.display());
+    }
     write_json(&a.json, &r)
 }
 

@@ -30,6 +30,9 @@ pub struct PplArgs {
     /// New tokens scored per window (default: half the window).
     #[arg(long, default_value_t = 0)]
     stride: usize,
+    /// How the pass holds K/V: f32 (exact) or f16 (as the serving engine's f16 blocks).
+    #[arg(long, default_value = "f32")]
+    kv_format: switchyard_engine::KvFormat,
     /// Write the result as JSON to FILE (stdout when omitted).
     #[arg(long, value_name = "FILE", num_args = 0..=1)]
     json: Option<Option<std::path::PathBuf>>,
@@ -44,6 +47,7 @@ struct PplReport {
     bos_added: bool,
     window_tokens: usize,
     stride_tokens: usize,
+    kv_format: switchyard_engine::KvFormat,
     mean_nll_nats: f64,
     perplexity: f64,
     bits_per_byte: f64,
@@ -71,6 +75,7 @@ fn ppl(a: PplArgs) -> anyhow::Result<()> {
     let opts = ScoreOptions {
         window: a.window,
         stride: a.stride,
+        kv_format: a.kv_format,
     };
     let s = switchyard_engine::score_text(
         &loaded.model,
@@ -91,6 +96,7 @@ fn ppl(a: PplArgs) -> anyhow::Result<()> {
         bos_added: s.bos_added,
         window_tokens: s.window,
         stride_tokens: s.stride,
+        kv_format: a.kv_format,
         mean_nll_nats: s.mean_nll_nats,
         perplexity: s.perplexity,
         bits_per_byte: s.bits_per_byte,

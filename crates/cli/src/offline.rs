@@ -39,6 +39,9 @@ pub struct OfflineArgs {
     /// Load and run only the first D layers.
     #[arg(long)]
     max_depth: Option<usize>,
+    /// K/V cache format: f32, f16 or int8 (the engine's default when omitted).
+    #[arg(long)]
+    kv_format: Option<switchyard_engine::KvFormat>,
     /// Token budget of one engine step.
     #[arg(long, default_value_t = DEFAULT_MAX_BATCHED_TOKENS)]
     max_batched_tokens: usize,
@@ -113,6 +116,7 @@ pub fn run(a: OfflineArgs, threads: usize) -> anyhow::Result<()> {
                     AdmissionPolicy::Projected
                 },
             },
+            kv_format: a.kv_format.unwrap_or_default(),
             ..EngineConfig::default()
         },
         max_depth: a.max_depth,

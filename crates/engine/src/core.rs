@@ -17,6 +17,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Tensor};
 use serde::Serialize;
+use switchyard_kernels::prof::{self, Part};
 use switchyard_models::{ForwardBatch, LayeredModel, SeqChunk, SeqKv};
 use switchyard_request::{FinishReason, SamplingParams};
 
@@ -334,7 +335,9 @@ impl EngineCore {
     /// One engine step.
     pub fn step(&mut self) -> StepResult {
         let _span = tracing::debug_span!("step").entered();
+        let schedule = prof::time(Part::Schedule);
         let plan = self.scheduler.schedule();
+        drop(schedule);
         let mut result = StepResult {
             batch: plan.scheduled.len(),
             tokens: plan.total_tokens(),
@@ -374,6 +377,7 @@ impl EngineCore {
         }
         match self.run(&plan) {
             Ok((sampled, exits)) => {
+                let _t = prof::time(Part::Schedule);
                 let logprobs: HashMap<RequestId, f32> =
                     sampled.iter().map(|t| (t.id, t.logprob)).collect();
                 for u in self.scheduler.update_from_output(&plan, &sampled) {
@@ -508,8 +512,11 @@ impl EngineCore {
             self.exit
                 .exit_logits(&self.model, &hidden.index_select(&idx, 0)?, depth)?
         };
+        let copy = prof::time(Part::Copy);
         let logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        drop(copy);
         let _span = tracing::debug_span!("sample", rows = rows.len()).entered();
+        let _t = prof::time(Part::Sample);
         let mut sampled = Vec::with_capacity(rows.len());
         let mut exits = HashMap::with_capacity(rows.len());
         for (((id, _), row), probe_exit) in rows.iter().zip(&logits).zip(probe_exit) {
@@ -528,7 +535,7 @@ impl EngineCore {
             exits.insert(
                 *id,
                 ExitSeen {
-                    confidence: max_prob(row),
+                    confidence: s.max_prob,
                     probe_exit,
                 },
             );
@@ -889,15 +896,7 @@ struct ExitSeen {
 }
 
 /// The largest softmax probability of `logits` (HELIOS's and EE-LLM's exit confidence).
-pub fn max_prob(logits: &[f32]) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let z: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
-    if z > 0.0 && z.is_finite() {
-        (1.0 / z) as f32
-    } else {
-        0.0
-    }
-}
+pub use crate::sampler::max_prob;
 
 /// Every token `tokenizer` ends generation on (EOS, end of turn, ...).
 pub fn end_of_generation_tokens(tokenizer: &switchyard_tokenizer::Tokenizer) -> Vec<u32> {

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use switchyard_kernels::prof::{self, Part};
 use switchyard_request::FinishReason;
 use switchyard_tokenizer::Tokenizer;
 use tokio::sync::{mpsc as tmpsc, oneshot};
@@ -484,9 +485,14 @@ fn serve(core: EngineCore, tokenizer: &Tokenizer, rx: mpsc::Receiver<Command>) {
             s.out.remove(id);
         }
         if s.core.has_work() {
-            let result = s.core.step();
-            let idle = result.batch == 0;
-            for id in s.out.process(result) {
+            let (core, out) = (&mut s.core, &mut s.out);
+            let (ended, idle) = prof::record_step(|| {
+                let result = core.step();
+                let (batch, tokens) = (result.batch, result.tokens);
+                let _output = prof::time(Part::Output);
+                ((out.process(result), batch == 0), batch, tokens)
+            });
+            for id in ended {
                 s.core.abort(id);
             }
             if idle {

@@ -10,6 +10,8 @@ use switchyard_request::SamplingParams;
 pub struct Sampled {
     pub token: u32,
     pub logprob: f32,
+    /// The largest probability of that distribution (the exit confidence).
+    pub max_prob: f32,
 }
 
 #[derive(Debug, Clone)]
@@ -34,15 +36,25 @@ impl Sampler {
     /// `history`: prompt and generated tokens so far (for the repetition penalty).
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Sampled {
         let _span = tracing::trace_span!("sample").entered();
-        let l = self.penalized(logits, history);
-        let token = if self.params.is_greedy() {
-            argmax(&l)
-        } else {
-            self.draw(&l)
+        // One pass for the maximum (and the greedy token), one vectorized pass for the
+        // normalizer; the logits are copied only when a penalty changes them.
+        let (first, max) = argmax_max(logits);
+        let z = normalizer(logits, max);
+        let token = match (
+            self.params.is_greedy(),
+            self.params.repetition_penalty == 1.0,
+        ) {
+            (true, true) => first,
+            (true, false) => argmax(&self.penalized(logits, history)),
+            (false, _) => {
+                let l = self.penalized(logits, history);
+                self.draw(&l)
+            }
         };
         Sampled {
             token: token as u32,
-            logprob: log_softmax_at(logits, token),
+            logprob: ((logits[token] - max) as f64 - z.ln()) as f32,
+            max_prob: confidence(z),
         }
     }
 
@@ -121,20 +133,52 @@ impl Sampler {
 
 /// Index of the largest value (the first on ties).
 pub fn argmax(v: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best
+    argmax_max(v).0
 }
 
-/// `log softmax(logits)[i]`, accumulated in f64.
+/// Index of the largest value (the first on ties) and the value (−∞ for an empty row).
+fn argmax_max(v: &[f32]) -> (usize, f32) {
+    let mut best = 0;
+    let mut max = f32::NEG_INFINITY;
+    for (i, &x) in v.iter().enumerate() {
+        if x > max || i == 0 {
+            best = i;
+            max = x;
+        }
+    }
+    (best, max)
+}
+
+/// Σ exp(l − max) over the row, for its maximum `max`: through the kernels' vectorized exp
+/// when `max` is finite (relative error below 3e-7 per term, summed in f64), else term by term.
+fn normalizer(logits: &[f32], max: f32) -> f64 {
+    if max.is_finite() {
+        switchyard_kernels::fastmath::sum_exp(logits, max)
+    } else {
+        logits.iter().map(|&x| ((x - max) as f64).exp()).sum()
+    }
+}
+
+/// The largest probability of a row whose normalizer is `z`.
+fn confidence(z: f64) -> f32 {
+    if z > 0.0 && z.is_finite() {
+        (1.0 / z) as f32
+    } else {
+        0.0
+    }
+}
+
+/// `log softmax(logits)[i]`, the normalizer summed in f64.
 pub fn log_softmax_at(logits: &[f32], i: usize) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let z: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
+    let (_, max) = argmax_max(logits);
+    let z = normalizer(logits, max);
     ((logits[i] - max) as f64 - z.ln()) as f32
+}
+
+/// The largest softmax probability of `logits`.
+pub fn max_prob(logits: &[f32]) -> f32 {
+    let (_, max) = argmax_max(logits);
+    confidence(normalizer(logits, max))
 }
 
 #[cfg(test)]

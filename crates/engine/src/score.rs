@@ -5,11 +5,17 @@
 //! Long texts are scored with a sliding window: each window of at most `window` input tokens
 //! scores only its last `stride` targets, so every target after the first has at least
 //! `window - stride` tokens of context (except at the start).
+//!
+//! The K/V the scoring pass attends to can be held as a serving engine holds them
+//! ([`ScoreOptions::kv_format`]), so the quality cost of a cache format is measured on text.
 
 use candle_core::{DType, Tensor, D};
+use half::slice::HalfFloatSliceExt;
+use switchyard_models::kv::{KvChunk, SeqKv};
 use switchyard_models::{DenseKv, ForwardBatch, LayeredModel};
 use switchyard_tokenizer::Tokenizer;
 
+use crate::kv::KvFormat;
 use crate::{EngineError, Result};
 
 /// Rows sent through the LM head at once (bounds the logits buffer: rows x vocab f32).
@@ -21,6 +27,10 @@ pub struct ScoreOptions {
     pub window: usize,
     /// New targets scored per window (0: half the window).
     pub stride: usize,
+    /// How the pass holds its K/V: f32 (exact) or f16 (each value rounded to the nearest
+    /// half, as the engine's f16 blocks store it; attention then reads the same values the
+    /// engine would). 8-bit K/V is not scored here.
+    pub kv_format: KvFormat,
 }
 
 /// Default scoring window (tokens).
@@ -74,6 +84,11 @@ pub fn score_text(
             context,
         });
     }
+    if opts.kv_format == KvFormat::Int8 {
+        return Err(EngineError::BadConfig(
+            "scoring holds K/V as f32 or f16, not 8-bit".into(),
+        ));
+    }
 
     let mut total = 0f64;
     let mut pos = 1; // next target index
@@ -81,7 +96,7 @@ pub fn score_text(
         let end = (pos + if pos == 1 { window } else { stride }).min(n);
         // Inputs a..end-1 predict targets a+1..end; only pos..end are counted.
         let a = (end - 1).saturating_sub(window);
-        total += window_nll(model, &ids[a..end], pos - a)?;
+        total += window_nll(model, &ids[a..end], pos - a, opts.kv_format)?;
         pos = end;
         progress(pos - 1, n - 1);
     }
@@ -107,9 +122,13 @@ pub fn score_text(
 }
 
 /// Sum of -ln p(ids[t] | ids[..t]) for t in `first..ids.len()`, in one fresh forward pass.
-fn window_nll(model: &LayeredModel, ids: &[u32], first: usize) -> Result<f64> {
+fn window_nll(model: &LayeredModel, ids: &[u32], first: usize, format: KvFormat) -> Result<f64> {
     let inputs = &ids[..ids.len() - 1];
-    let mut kv = DenseKv::new(model.n_layers(), model.spec().kv_row_len());
+    let mut kv = HalfRounded {
+        inner: DenseKv::new(model.n_layers(), model.spec().kv_row_len()),
+        round: format == KvFormat::F16,
+        buf: (Vec::new(), Vec::new()),
+    };
     let x = model.embed(inputs)?;
     let mut batch = ForwardBatch::single(&mut kv, 0, inputs.len());
     let h = model.forward_layers(x, 0..model.n_layers(), &mut batch)?;
@@ -129,6 +148,45 @@ fn window_nll(model: &LayeredModel, ids: &[u32], first: usize) -> Result<f64> {
         r += rows;
     }
     Ok(total)
+}
+
+/// A dense cache whose values are rounded to the nearest half float on the way in when
+/// `round` is set: attention reads exactly what an f16 block would give it (widening a half
+/// to f32 is exact).
+struct HalfRounded {
+    inner: DenseKv,
+    round: bool,
+    buf: (Vec<f32>, Vec<f32>),
+}
+
+impl SeqKv for HalfRounded {
+    fn write(
+        &mut self,
+        layer: usize,
+        start: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> switchyard_models::Result<()> {
+        if !self.round {
+            return self.inner.write(layer, start, k, v);
+        }
+        let (rk, rv) = &mut self.buf;
+        for (src, dst) in [(k, &mut *rk), (v, &mut *rv)] {
+            let mut half = vec![half::f16::ZERO; src.len()];
+            half.convert_from_f32_slice(src);
+            dst.resize(src.len(), 0.0);
+            half.convert_to_f32_slice(dst);
+        }
+        self.inner.write(layer, start, rk, rv)
+    }
+
+    fn chunks(&self, layer: usize, len: usize) -> switchyard_models::Result<Vec<KvChunk<'_>>> {
+        self.inner.chunks(layer, len)
+    }
+
+    fn len(&self, layer: usize) -> usize {
+        self.inner.len(layer)
+    }
 }
 
 /// Row-wise log-sum-exp of `[rows, vocab]` logits, in f64.

@@ -183,6 +183,7 @@ fn greedy_both(src: &Arc<dyn WeightSource>, weights: WeightFormat) -> Vec<(Out, 
             s.block_bytes,
             match format {
                 KvFormat::F32 => 24_576,
+                KvFormat::F16 => 12_288,
                 KvFormat::Int8 => 6_528,
             }
         );

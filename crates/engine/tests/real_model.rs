@@ -113,6 +113,7 @@ fn score_matches_token_by_token_likelihood() {
         ScoreOptions {
             window: 8,
             stride: 3,
+            ..ScoreOptions::default()
         },
     ] {
         let s = score_text(&m, &tok, text, opts, |_, _| {}).unwrap();
@@ -141,6 +142,7 @@ fn score_matches_token_by_token_likelihood() {
         ScoreOptions {
             window: 8,
             stride: 3,
+            ..ScoreOptions::default()
         },
         |_, _| {},
     )

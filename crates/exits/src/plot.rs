@@ -1,155 +1,20 @@
-//! PNG plots of the exit study (plotters, bitmap backend).
-//!
-//! Text needs a font, and this crate ships none: the first TrueType font found on the system
-//! (DejaVu Sans or Liberation Sans where present, else any `.ttf` under the usual font folders)
-//! is registered with plotters' `ab_glyph` renderer at run time. Without one, the plots are
-//! drawn without any text (lines and grid only) and the Markdown report names the series.
+//! PNG plots of the exit study, drawn with [`switchyard_charts`] (without a system font they
+//! have no text, and the Markdown report names the series).
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
-use plotters::prelude::*;
-use plotters::style::FontStyle;
+pub use switchyard_charts::{fonts_available, Chart, Series, SeriesLabelPosition};
 
-use crate::study::{PairReport, StudyReport, BUCKETS};
-use crate::{ExitsError, Result};
-
-const SIZE: (u32, u32) = (900, 560);
-const FONT_FAMILY: &str = "sans-serif";
-const PREFERRED_FONTS: &[&str] = &[
-    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-    "/usr/share/fonts/TTF/DejaVuSans.ttf",
-    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
-    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
-];
-const FONT_DIRS: &[&str] = &["/usr/share/fonts", "/usr/local/share/fonts"];
-
-/// Registers a system font once; whether text can be drawn.
-pub fn fonts_available() -> bool {
-    static FONT: OnceLock<bool> = OnceLock::new();
-    *FONT.get_or_init(|| {
-        let Some(path) = find_font() else {
-            tracing::warn!("no TrueType font found; plots are drawn without text");
-            return false;
-        };
-        let Ok(bytes) = std::fs::read(&path) else {
-            return false;
-        };
-        // plotters keeps fonts for the life of the process; this runs once.
-        let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-        plotters::style::register_font(FONT_FAMILY, FontStyle::Normal, bytes).is_ok()
+/// [`switchyard_charts::line_chart`], its error as this crate's.
+pub fn line_chart(path: &Path, chart: &Chart<'_>, text: bool) -> Result<()> {
+    switchyard_charts::line_chart(path, chart, text).map_err(|e| ExitsError::Plot {
+        path: e.path,
+        detail: e.detail,
     })
 }
 
-fn find_font() -> Option<PathBuf> {
-    if let Some(p) = PREFERRED_FONTS.iter().map(Path::new).find(|p| p.is_file()) {
-        return Some(p.to_path_buf());
-    }
-    let mut stack: Vec<PathBuf> = FONT_DIRS.iter().map(PathBuf::from).collect();
-    while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
-        paths.sort();
-        for p in paths {
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|e| e.eq_ignore_ascii_case("ttf")) {
-                return Some(p);
-            }
-        }
-    }
-    None
-}
-
-/// One line of a chart.
-pub struct Series {
-    pub name: String,
-    pub points: Vec<(f64, f64)>,
-}
-
-/// A line chart.
-pub struct Chart<'a> {
-    pub title: &'a str,
-    pub x_label: &'a str,
-    pub y_label: &'a str,
-    pub x: (f64, f64),
-    pub y: (f64, f64),
-    pub series: &'a [Series],
-    /// Where the legend goes (the corner the lines leave empty).
-    pub legend: SeriesLabelPosition,
-}
-
-const COLORS: &[RGBColor] = &[
-    RGBColor(31, 119, 180),
-    RGBColor(255, 127, 14),
-    RGBColor(44, 160, 44),
-    RGBColor(214, 39, 40),
-    RGBColor(148, 103, 189),
-    RGBColor(140, 86, 75),
-    RGBColor(227, 119, 194),
-    RGBColor(127, 127, 127),
-    RGBColor(188, 189, 34),
-    RGBColor(23, 190, 207),
-];
-
-/// Draws `chart` to the PNG `path`; with `text` false, no caption, labels or legend.
-pub fn line_chart(path: &Path, chart: &Chart<'_>, text: bool) -> Result<()> {
-    let err = |e: &dyn std::fmt::Display| ExitsError::Plot {
-        path: path.to_path_buf(),
-        detail: e.to_string(),
-    };
-    let root = BitMapBackend::new(path, SIZE).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
-    let mut builder = ChartBuilder::on(&root);
-    builder.margin(20);
-    if text {
-        builder
-            .caption(chart.title, (FONT_FAMILY, 22))
-            .x_label_area_size(45)
-            .y_label_area_size(60);
-    }
-    let mut ctx = builder
-        .build_cartesian_2d(chart.x.0..chart.x.1, chart.y.0..chart.y.1)
-        .map_err(|e| err(&e))?;
-    let mut mesh = ctx.configure_mesh();
-    if text {
-        mesh.x_desc(chart.x_label)
-            .y_desc(chart.y_label)
-            .label_style((FONT_FAMILY, 15));
-    } else {
-        mesh.x_labels(0).y_labels(0);
-    }
-    mesh.draw().map_err(|e| err(&e))?;
-    for (i, s) in chart.series.iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
-        let drawn = ctx
-            .draw_series(LineSeries::new(
-                s.points.iter().copied(),
-                color.stroke_width(2),
-            ))
-            .map_err(|e| err(&e))?;
-        if text {
-            drawn
-                .label(s.name.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
-        }
-        ctx.draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled())))
-            .map_err(|e| err(&e))?;
-    }
-    if text && chart.series.len() > 1 {
-        ctx.configure_series_labels()
-            .position(chart.legend.clone())
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .label_font((FONT_FAMILY, 14))
-            .draw()
-            .map_err(|e| err(&e))?;
-    }
-    root.present().map_err(|e| err(&e))?;
-    Ok(())
-}
+use crate::study::{PairReport, StudyReport, BUCKETS};
+use crate::{ExitsError, Result};
 
 fn finite(points: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
     points.into_iter().filter(|(_, y)| y.is_finite()).collect()

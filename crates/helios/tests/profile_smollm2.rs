@@ -94,6 +94,7 @@ fn full_depth_bits_per_byte_equal_eval_ppl_on_the_same_text() {
         ScoreOptions {
             window: 1024,
             stride: 0,
+            ..ScoreOptions::default()
         },
         |_, _| {},
     )

@@ -8,6 +8,8 @@
 
 pub mod cpu;
 pub mod fastmath;
+pub mod pool;
+pub mod prof;
 pub mod quant;
 pub mod tap;
 
@@ -16,6 +18,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Module, Tensor};
 
+use prof::Part;
 use quant::PackedWeight;
 
 pub type Result<T> = candle_core::Result<T>;
@@ -149,6 +152,12 @@ impl QLinear {
 
     /// `x`: `[.., in_features]` f32. Returns `[.., out_features]` f32.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_as(x, self.part())
+    }
+
+    /// [`QLinear::forward`], its time counted as `part` in the profile (the LM head, whose
+    /// weight may be the embedding's).
+    pub fn forward_as(&self, x: &Tensor, part: Part) -> Result<Tensor> {
         let _enter = self.span.enter();
         self.observe(x);
         let y = match &self.kernel {
@@ -162,13 +171,17 @@ impl QLinear {
                     );
                 }
                 let rows: usize = dims.iter().product();
+                let copy = prof::time(Part::Copy);
                 let xs = x.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
                 let mut out = vec![0f32; rows * self.out_features];
-                p.matmul(&xs, rows, &mut out);
+                drop(copy);
+                quant::matmul_many_as(&[&**p], &xs, rows, &mut [&mut out], part);
                 dims.push(self.out_features);
+                let _copy = prof::time(Part::Copy);
                 Tensor::from_vec(out, dims, x.device())?
             }
             Kernel::Candle(q) => {
+                let _t = prof::time(part);
                 let y = q.forward(x)?;
                 if y.dtype() == DType::F32 {
                     y
@@ -178,9 +191,17 @@ impl QLinear {
             }
         };
         match &self.bias {
-            Some(b) => y.broadcast_add(b),
+            Some(b) => {
+                let _t = prof::time(Part::Residual);
+                y.broadcast_add(b)
+            }
             None => Ok(y),
         }
+    }
+
+    /// The profile part this layer's products count in.
+    fn part(&self) -> Part {
+        Part::of_weight(self.name())
     }
 
     /// `[layer.forward(x) for layer in layers]`, bit for bit, computed together where the
@@ -203,14 +224,16 @@ impl QLinear {
         }
         let _enter = layers[0].span.enter();
         let rows: usize = dims.iter().product();
+        let copy = prof::time(Part::Copy);
         let xs = x.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         let mut outs: Vec<Vec<f32>> = layers
             .iter()
             .map(|l| vec![0f32; rows * l.out_features])
             .collect();
+        drop(copy);
         {
             let mut views: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
-            quant::matmul_many(&ws, &xs, rows, &mut views);
+            quant::matmul_many_as(&ws, &xs, rows, &mut views, layers[0].part());
         }
         layers
             .iter()
@@ -218,9 +241,15 @@ impl QLinear {
             .map(|(l, out)| {
                 let mut shape = dims.clone();
                 shape.push(l.out_features);
-                let y = Tensor::from_vec(out, shape, x.device())?;
+                let y = {
+                    let _t = prof::time(Part::Copy);
+                    Tensor::from_vec(out, shape, x.device())?
+                };
                 match &l.bias {
-                    Some(b) => y.broadcast_add(b),
+                    Some(b) => {
+                        let _t = prof::time(Part::Residual);
+                        y.broadcast_add(b)
+                    }
                     None => Ok(y),
                 }
             })

@@ -23,8 +23,8 @@
 //! once per task instead of per row did not measurably help it, so rows are widened one at a
 //! time.
 
-use rayon::prelude::*;
 use switchyard_kernels::cpu::{simd_level, SimdLevel};
+use switchyard_kernels::prof::{self, Part};
 
 use crate::kv::KvChunk;
 use crate::Result;
@@ -32,6 +32,8 @@ use crate::Result;
 /// Query rows per work item: enough work per task to amortise scheduling, small enough to
 /// spread a long prefill over all cores.
 const ROWS_PER_TASK: usize = 16;
+/// Multiply-accumulates below which attention runs on the calling thread.
+const PARALLEL_MIN_WORK: usize = 1 << 16;
 
 #[derive(Debug, Clone, Copy)]
 pub struct AttnShape {
@@ -57,18 +59,20 @@ pub struct SeqAttn<'a> {
 /// order the sequences are given.
 pub fn attend(seqs: &[SeqAttn<'_>], shape: &AttnShape) -> Result<Vec<f32>> {
     let _span = tracing::trace_span!("attention", seqs = seqs.len()).entered();
+    let _t = prof::time(Part::Attention);
     let hd = shape.head_dim;
     let width = shape.n_heads * hd;
     let group = shape.n_heads / shape.n_kv_heads;
     let row = shape.n_kv_heads * hd;
     for s in seqs {
         for c in &s.chunks {
-            let (values, scales) = match &c.int8 {
-                None => (c.k.len().min(c.v.len()), usize::MAX),
-                Some(q) => (
+            let (values, scales) = match (&c.int8, &c.f16) {
+                (Some(q), _) => (
                     q.k.len().min(q.v.len()),
                     q.k_scales.len().min(q.v_scales.len()),
                 ),
+                (None, Some(h)) => (h.k.len().min(h.v.len()), usize::MAX),
+                (None, None) => (c.k.len().min(c.v.len()), usize::MAX),
             };
             if values < c.tokens * row || scales < c.tokens * shape.n_kv_heads {
                 return Err(candle_core::Error::Msg(format!(
@@ -102,10 +106,39 @@ pub fn attend(seqs: &[SeqAttn<'_>], shape: &AttnShape) -> Result<Vec<f32>> {
         row0 += s.n;
     }
     let level = simd_level();
-    let parts: Vec<Vec<f32>> = tasks
-        .par_iter()
-        .map(|&(si, _, g, i0, i1)| run_task(&seqs[si], g, i0..i1, shape, level))
-        .collect();
+    // Work of every task (multiply-accumulates of scores and values): small steps run on
+    // this thread, where a hand-off would cost more than the work.
+    let work: usize = tasks
+        .iter()
+        .map(|&(si, _, _, i0, i1)| (i1 - i0) * (seqs[si].start + i1) * group * hd * 2)
+        .sum();
+    let parts: Vec<Vec<f32>> = if work < PARALLEL_MIN_WORK {
+        tasks
+            .iter()
+            .map(|&(si, _, g, i0, i1)| run_task(&seqs[si], g, i0..i1, shape, level))
+            .collect()
+    } else {
+        let profiling = prof::enabled();
+        let slots: Vec<std::sync::Mutex<Vec<f32>>> = tasks
+            .iter()
+            .map(|_| std::sync::Mutex::new(Vec::new()))
+            .collect();
+        switchyard_kernels::pool::run(tasks.len(), &|t| {
+            let timer = profiling.then(std::time::Instant::now);
+            let (si, _, g, i0, i1) = tasks[t];
+            let out = run_task(&seqs[si], g, i0..i1, shape, level);
+            if let Some(timer) = timer {
+                prof::add(Part::ParallelBusy, timer.elapsed().as_nanos() as u64);
+            }
+            if let Ok(mut slot) = slots[t].lock() {
+                *slot = out;
+            }
+        });
+        slots
+            .into_iter()
+            .map(|s| s.into_inner().unwrap_or_default())
+            .collect()
+    };
     let gw = group * hd;
     let mut out = vec![0f32; row0 * width];
     for (&(_, base, g, i0, i1), part) in tasks.iter().zip(&parts) {
@@ -172,6 +205,7 @@ enum Half {
 #[derive(Clone, Copy)]
 enum HeadRow<'a> {
     F32(&'a [f32]),
+    F16(&'a [half::f16]),
     /// The 8-bit values and their scale.
     Int8(&'a [i8], f32),
 }
@@ -188,6 +222,11 @@ impl HeadRow<'_> {
     {
         match self {
             HeadRow::F32(x) => (x, 1.0),
+            HeadRow::F16(x) => {
+                // Exact: every half is an f32 (F16C where the CPU has it).
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(x, buf);
+                (buf, 1.0)
+            }
             HeadRow::Int8(q, scale) => {
                 for (d, &x) in buf.iter_mut().zip(q) {
                     *d = f32::from(x);
@@ -326,6 +365,17 @@ impl GroupJob<'_, '_> {
             }
             let from = self.lo.saturating_sub(pos).min(c.tokens);
             let to = (self.hi - pos).min(c.tokens);
+            if let Some(h) = c.f16 {
+                let values = match half {
+                    Half::K => h.k,
+                    Half::V => h.v,
+                };
+                for t in from..to {
+                    f(HeadRow::F16(&values[t * row + off..t * row + off + hd]));
+                }
+                pos += c.tokens;
+                continue;
+            }
             match (c.int8, half) {
                 (None, Half::K) => {
                     for t in from..to {
@@ -392,25 +442,20 @@ fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// Through the kernels' vectorized exp: at a context of 1,024 a decode step takes
+/// 1,024 exponentials per query head per layer, which the scalar `exp` made a large share of
+/// attention.
 #[inline(always)]
 fn softmax_in_place(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
+    switchyard_kernels::fastmath::softmax_in_place(x)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::{quantize_kv_int8, Int8Rows};
+    use crate::kv::{quantize_kv_int8, F16Rows, Int8Rows};
     use rand::{Rng, SeedableRng};
+    use rayon::prelude::*;
 
     /// Plain reference: per head, per query, full softmax over the visible keys.
     fn reference(
@@ -508,6 +553,78 @@ mod tests {
             for (a, b) in got.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-5, "start {start} n {n}: {a} vs {b}");
             }
+        }
+    }
+
+    /// Attention over f16 chunks gives bit for bit what it gives over f32 chunks holding the
+    /// same (rounded) values, at every SIMD level the CPU has: widening a half is exact and
+    /// the arithmetic after it is the f32 path's.
+    #[test]
+    fn f16_chunks_read_as_their_f32_values() {
+        use half::f16;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let s = SMOLLM2;
+        let row = s.n_kv_heads * s.head_dim;
+        for (start, n) in [(0usize, 1usize), (40, 1), (0, 33), (17, 5)] {
+            let ctx = start + n;
+            let (k, v) = realistic(&mut rng, ctx, &s);
+            let kh: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
+            let vh: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+            let kr: Vec<f32> = kh.iter().map(|x| x.to_f32()).collect();
+            let vr: Vec<f32> = vh.iter().map(|x| x.to_f32()).collect();
+            let q: Vec<f32> = (0..n * s.n_heads * s.head_dim)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let split = ctx / 2;
+            let halves = vec![
+                KvChunk::f16(
+                    F16Rows {
+                        k: &kh[..split * row],
+                        v: &vh[..split * row],
+                    },
+                    split,
+                ),
+                KvChunk::f16(
+                    F16Rows {
+                        k: &kh[split * row..],
+                        v: &vh[split * row..],
+                    },
+                    ctx - split,
+                ),
+            ];
+            let floats = vec![
+                KvChunk::f32(&kr[..split * row], &vr[..split * row], split),
+                KvChunk::f32(&kr[split * row..], &vr[split * row..], ctx - split),
+            ];
+            let run = |chunks| {
+                attend(
+                    &[SeqAttn {
+                        q: &q,
+                        start,
+                        n,
+                        chunks,
+                    }],
+                    &s,
+                )
+                .unwrap()
+            };
+            let (a, b) = (run(halves), run(floats));
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "start {start} n {n}"
+            );
+            // And within the rounding of the values of the f32 cache's own result.
+            let exact = run(vec![KvChunk::f32(&k, &v, ctx)]);
+            let vmax = v.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let worst = a
+                .iter()
+                .zip(&exact)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                worst < 1e-2 * vmax,
+                "start {start} n {n}: {worst} of {vmax}"
+            );
         }
     }
 

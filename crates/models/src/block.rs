@@ -5,6 +5,7 @@ use std::ops::Range;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
+use switchyard_kernels::prof::{self, Part};
 use switchyard_kernels::QLinear;
 use switchyard_weights::{names, Activation, RopeStyle, WeightSource};
 
@@ -49,6 +50,7 @@ impl RmsNorm {
 
     /// Normalises over the last dimension, which must equal the weight's length.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _t = prof::time(Part::Norm);
         Ok(candle_nn::ops::rms_norm(
             &x.contiguous()?,
             &self.weight,
@@ -233,8 +235,13 @@ impl SelfAttention {
             .try_into()
             .map_err(|_| candle_core::Error::Msg("q/k/v projections".into()))?;
         let q = Self::norm_heads(q, self.q_norm.as_ref(), shape.n_heads, hd)?;
+        let copy = prof::time(Part::Copy);
         let mut q = q.flatten_all()?.to_vec1::<f32>()?;
-        ctx.rope.apply(&mut q, shape.n_heads, self.rope_style);
+        drop(copy);
+        {
+            let _t = prof::time(Part::Rope);
+            ctx.rope.apply(&mut q, shape.n_heads, self.rope_style);
+        }
         self.store_kv(k, v, ctx)?;
 
         let q_row = shape.n_heads * hd;
@@ -250,7 +257,10 @@ impl SelfAttention {
             at += seq.n;
         }
         let out = attend(&views, &shape)?;
-        let out = Tensor::from_vec(out, (tokens, q_row), x.device())?;
+        let out = {
+            let _t = prof::time(Part::Copy);
+            Tensor::from_vec(out, (tokens, q_row), x.device())?
+        };
         Ok(self.o.forward(&out)?)
     }
 
@@ -269,9 +279,15 @@ impl SelfAttention {
         let shape = ctx.shape;
         let hd = shape.head_dim;
         let k = Self::norm_heads(k, self.k_norm.as_ref(), shape.n_kv_heads, hd)?;
+        let copy = prof::time(Part::Copy);
         let mut k = k.flatten_all()?.to_vec1::<f32>()?;
         let v = v.flatten_all()?.to_vec1::<f32>()?;
-        ctx.rope.apply(&mut k, shape.n_kv_heads, self.rope_style);
+        drop(copy);
+        {
+            let _t = prof::time(Part::Rope);
+            ctx.rope.apply(&mut k, shape.n_kv_heads, self.rope_style);
+        }
+        let _t = prof::time(Part::KvWrite);
         let kv_row = shape.n_kv_heads * hd;
         let mut at = 0;
         for seq in ctx.batch.seqs.iter_mut() {
@@ -324,12 +340,22 @@ impl GatedMlp {
         let [gate, up]: [Tensor; 2] = QLinear::forward_many(&[&self.gate, &self.up], x)?
             .try_into()
             .map_err(|_| candle_core::Error::Msg("gate/up projections".into()))?;
-        let act = match self.activation {
-            Activation::Silu => candle_nn::ops::silu(&gate)?,
-            Activation::GeluTanh => gate.gelu()?,
+        let gated = {
+            let _t = prof::time(Part::Activation);
+            let act = match self.activation {
+                Activation::Silu => candle_nn::ops::silu(&gate)?,
+                Activation::GeluTanh => gate.gelu()?,
+            };
+            (act * up)?
         };
-        Ok(self.down.forward(&(act * up)?)?)
+        Ok(self.down.forward(&gated)?)
     }
+}
+
+/// `x + h`, the residual connection.
+pub fn residual(x: &Tensor, h: &Tensor) -> Result<Tensor> {
+    let _t = prof::time(Part::Residual);
+    Ok((x + h)?)
 }
 
 pub(crate) fn check_rows(x: &Tensor, batch: &ForwardBatch<'_>) -> Result<()> {

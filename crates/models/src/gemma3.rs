@@ -5,7 +5,7 @@
 use candle_core::Tensor;
 use switchyard_weights::{names, Activation, ModelSpec};
 
-use crate::block::{Block, GatedMlp, LayerCtx, RmsNorm, SelfAttention, TensorLoader};
+use crate::block::{residual, Block, GatedMlp, LayerCtx, RmsNorm, SelfAttention, TensorLoader};
 use crate::config::ArchConfig;
 use crate::Result;
 
@@ -59,9 +59,9 @@ impl Gemma3Block {
 impl Block for Gemma3Block {
     fn forward(&self, x: &Tensor, ctx: &mut LayerCtx<'_, '_>) -> Result<Tensor> {
         let h = self.attn.forward(&self.attn_norm.forward(x)?, ctx)?;
-        let x = (x + self.post_attn_norm.forward(&h)?)?;
+        let x = residual(x, &self.post_attn_norm.forward(&h)?)?;
         let h = self.mlp.forward(&self.ffn_norm.forward(&x)?)?;
-        Ok((x + self.post_ffn_norm.forward(&h)?)?)
+        residual(&x, &self.post_ffn_norm.forward(&h)?)
     }
 
     fn write_kv(&self, x: &Tensor, ctx: &mut LayerCtx<'_, '_>) -> Result<()> {

@@ -3,8 +3,9 @@
 //!
 //! Chunks are how one attention kernel serves both a dense per-sequence cache (one chunk) and a
 //! paged cache (one chunk per block) without copying the cache into a contiguous buffer. A
-//! chunk's rows are f32, or 8-bit with one f32 scale per (position, key/value head)
-//! ([`Int8Rows`], written by [`quantize_kv_int8`]); attention reads either directly.
+//! chunk's rows are f32, f16 ([`F16Rows`], each value the nearest half of the f32 one), or
+//! 8-bit with one f32 scale per (position, key/value head) ([`Int8Rows`], written by
+//! [`quantize_kv_int8`]); attention reads each directly.
 
 use crate::{ModelError, Result};
 
@@ -12,16 +13,18 @@ use crate::{ModelError, Result};
 /// its negation quantize alike.
 pub const KV_INT8_MAX: i8 = 127;
 
-/// A run of consecutive positions: `tokens` rows of K and of V, either f32 (`k`, `v`) or 8-bit
-/// (`int8`).
+/// A run of consecutive positions: `tokens` rows of K and of V, f32 (`k`, `v`), f16 (`f16`)
+/// or 8-bit (`int8`).
 #[derive(Debug, Clone, Copy)]
 pub struct KvChunk<'a> {
-    /// f32 K rows, `tokens * row` values; empty in an 8-bit chunk.
+    /// f32 K rows, `tokens * row` values; empty in an f16 or 8-bit chunk.
     pub k: &'a [f32],
     /// f32 V rows, like `k`.
     pub v: &'a [f32],
     pub tokens: usize,
-    /// The rows of an 8-bit chunk; `None` in an f32 chunk.
+    /// The rows of an f16 chunk; `None` otherwise.
+    pub f16: Option<F16Rows<'a>>,
+    /// The rows of an 8-bit chunk; `None` otherwise.
     pub int8: Option<Int8Rows<'a>>,
 }
 
@@ -32,6 +35,18 @@ impl<'a> KvChunk<'a> {
             k,
             v,
             tokens,
+            f16: None,
+            int8: None,
+        }
+    }
+
+    /// An f16 chunk of `tokens` rows.
+    pub fn f16(rows: F16Rows<'a>, tokens: usize) -> Self {
+        Self {
+            k: &[],
+            v: &[],
+            tokens,
+            f16: Some(rows),
             int8: None,
         }
     }
@@ -42,9 +57,21 @@ impl<'a> KvChunk<'a> {
             k: &[],
             v: &[],
             tokens,
+            f16: None,
             int8: Some(rows),
         }
     }
+}
+
+/// K and V rows stored as IEEE half floats, each the f32 value rounded to the nearest half
+/// (ties to even): within 2^-11 of it relatively in the normal range. Every value is rounded
+/// alone, so what a position holds depends only on that position (batch invariance holds as
+/// in f32).
+#[derive(Debug, Clone, Copy)]
+pub struct F16Rows<'a> {
+    /// `tokens * row` values.
+    pub k: &'a [half::f16],
+    pub v: &'a [half::f16],
 }
 
 /// K and V rows stored as i8 with one f32 scale per (position, key/value head): value `i` of

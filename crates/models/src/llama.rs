@@ -4,7 +4,7 @@
 use candle_core::Tensor;
 use switchyard_weights::{names, Activation, ModelSpec};
 
-use crate::block::{Block, GatedMlp, LayerCtx, RmsNorm, SelfAttention, TensorLoader};
+use crate::block::{residual, Block, GatedMlp, LayerCtx, RmsNorm, SelfAttention, TensorLoader};
 use crate::config::ArchConfig;
 use crate::Result;
 
@@ -41,9 +41,9 @@ impl LlamaBlock {
 impl Block for LlamaBlock {
     fn forward(&self, x: &Tensor, ctx: &mut LayerCtx<'_, '_>) -> Result<Tensor> {
         let h = self.attn.forward(&self.attn_norm.forward(x)?, ctx)?;
-        let x = (x + h)?;
+        let x = residual(x, &h)?;
         let h = self.mlp.forward(&self.ffn_norm.forward(&x)?)?;
-        Ok((x + h)?)
+        residual(&x, &h)
     }
 
     fn write_kv(&self, x: &Tensor, ctx: &mut LayerCtx<'_, '_>) -> Result<()> {

@@ -317,6 +317,7 @@ impl LayeredModel {
 
     /// Hidden states `[tokens, d_model]` for `tokens`.
     pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+        let _t = switchyard_kernels::prof::time(switchyard_kernels::prof::Part::Embed);
         let vocab = self.spec().vocab_size;
         if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(ModelError::TokenOutOfRange { id, vocab });
@@ -414,7 +415,7 @@ impl LayeredModel {
     pub fn lm_head(&self, normed: &Tensor) -> Result<Tensor> {
         let _span = tracing::trace_span!("lm_head").entered();
         match &self.head {
-            Some(h) => Ok(h.forward(normed)?),
+            Some(h) => Ok(h.forward_as(normed, switchyard_kernels::prof::Part::LmHead)?),
             None => {
                 let mut slices = Vec::new();
                 self.lm_head_slices(std::slice::from_ref(normed), |_, _, logits| {
@@ -439,7 +440,11 @@ impl LayeredModel {
     ) -> Result<usize> {
         if let Some(h) = &self.head {
             for (i, p) in parts.iter().enumerate() {
-                each(i, 0, h.forward(p)?)?;
+                each(
+                    i,
+                    0,
+                    h.forward_as(p, switchyard_kernels::prof::Part::LmHead)?,
+                )?;
             }
             return Ok(h.resident_bytes());
         }
@@ -452,7 +457,11 @@ impl LayeredModel {
             let slice = ld.head_rows(name, start..end)?;
             peak = peak.max(slice.resident_bytes());
             for (i, p) in parts.iter().enumerate() {
-                each(i, start, slice.forward(p)?)?;
+                each(
+                    i,
+                    start,
+                    slice.forward_as(p, switchyard_kernels::prof::Part::LmHead)?,
+                )?;
             }
             start = end;
         }

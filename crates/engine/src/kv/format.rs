@@ -5,6 +5,7 @@
 //!
 //! ```text
 //! F32   2 * row * 4                     the values the model computed, bit for bit
+//! F16   2 * row * 2                     each value rounded to the nearest half
 //! Int8  2 * (row + n_kv_heads * 4)      i8 values + one f32 scale per (position, kv head)
 //! ```
 //!
@@ -18,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use switchyard_weights::ModelSpec;
 
 const F32_BYTES: usize = std::mem::size_of::<f32>();
+const F16_BYTES: usize = std::mem::size_of::<half::f16>();
 
 /// How KV blocks store K and V (the `kv-compressed` mode is [`KvFormat::Int8`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -26,6 +28,9 @@ pub enum KvFormat {
     /// f32 values, as computed: results are those of a dense f32 cache, bit for bit.
     #[default]
     F32,
+    /// Half floats: each value the nearest f16 to the f32 one (relative error at most
+    /// 2^-11 in the normal range), half the bytes of f32 to store and to read.
+    F16,
     /// i8 values with one f32 scale per (position, key/value head), absmax / 127: each value
     /// within half a scale step of the f32 one.
     Int8,
@@ -35,7 +40,21 @@ impl KvFormat {
     pub fn name(self) -> &'static str {
         match self {
             KvFormat::F32 => "f32",
+            KvFormat::F16 => "f16",
             KvFormat::Int8 => "int8",
+        }
+    }
+}
+
+impl std::str::FromStr for KvFormat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(KvFormat::F32),
+            "f16" => Ok(KvFormat::F16),
+            "int8" => Ok(KvFormat::Int8),
+            other => Err(format!("unknown K/V format `{other}` (f32, f16 or int8)")),
         }
     }
 }
@@ -68,7 +87,7 @@ impl BlockLayout {
             "a KV block needs positive sizes and whole heads: row {row}, head {head_dim}, block {block_tokens}"
         );
         let head_dim = match format {
-            KvFormat::F32 => row,
+            KvFormat::F32 | KvFormat::F16 => row,
             KvFormat::Int8 => head_dim,
         };
         Self {
@@ -98,6 +117,7 @@ impl BlockLayout {
     pub fn bytes_per_token(&self) -> usize {
         match self.format {
             KvFormat::F32 => 2 * self.row * F32_BYTES,
+            KvFormat::F16 => 2 * self.row * F16_BYTES,
             KvFormat::Int8 => 2 * (self.row + self.heads() * F32_BYTES),
         }
     }
@@ -120,6 +140,8 @@ mod tests {
         assert_eq!((f32.bytes_per_token(), f32.block_bytes()), (1536, 24_576));
         assert_eq!((int8.bytes_per_token(), int8.block_bytes()), (408, 6528));
         assert_eq!(int8.heads(), 3);
+        let f16 = BlockLayout::new(192, 64, 16, KvFormat::F16);
+        assert_eq!((f16.bytes_per_token(), f16.block_bytes()), (768, 12_288));
         // An f16 cache would take 2 bytes a value.
         let f16_bytes_per_token = 2 * 192 * 2;
         let vs_f32 = f32.bytes_per_token() as f64 / int8.bytes_per_token() as f64;

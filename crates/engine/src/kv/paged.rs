@@ -11,7 +11,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use switchyard_models::kv::{quantize_kv_int8, Int8Rows};
+use half::slice::HalfFloatSliceExt;
+use switchyard_models::kv::{quantize_kv_int8, F16Rows, Int8Rows};
 use switchyard_models::{KvChunk, SeqKv};
 
 use super::format::BlockLayout;
@@ -334,6 +335,11 @@ impl PagedKv {
                     data[dst].copy_from_slice(&k[src.clone()]);
                     data[vdst].copy_from_slice(&v[src]);
                 }
+                BlockData::F16(data) => {
+                    // Round to nearest, ties to even (F16C where the CPU has it).
+                    data[dst].convert_from_f32_slice(&k[src.clone()]);
+                    data[vdst].convert_from_f32_slice(&v[src]);
+                }
                 BlockData::Int8(b) => {
                     let sdst = off * heads..(off + take) * heads;
                     let vsdst = bt * heads + sdst.start..bt * heads + sdst.end;
@@ -378,6 +384,13 @@ impl PagedKv {
             let (k, v) = (0..tokens * row, bt * row..(bt + tokens) * row);
             out.push(match slot.block().map(Block::data) {
                 Some(BlockData::F32(data)) => KvChunk::f32(&data[k], &data[v], tokens),
+                Some(BlockData::F16(data)) => KvChunk::f16(
+                    F16Rows {
+                        k: &data[k],
+                        v: &data[v],
+                    },
+                    tokens,
+                ),
                 Some(BlockData::Int8(d)) => KvChunk::int8(
                     Int8Rows {
                         k: &d.values[k],

@@ -28,6 +28,8 @@ pub struct BlockId {
 pub enum BlockData {
     /// `2 * block_tokens * row` f32: K rows `[0, block_tokens * row)`, then V rows.
     F32(Box<[f32]>),
+    /// As `F32`, in half floats.
+    F16(Box<[half::f16]>),
     Int8(Int8Block),
 }
 
@@ -66,6 +68,7 @@ impl std::fmt::Debug for Block {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let (format, values) = match &self.data {
             BlockData::F32(d) => (KvFormat::F32, d.len()),
+            BlockData::F16(d) => (KvFormat::F16, d.len()),
             BlockData::Int8(b) => (KvFormat::Int8, b.values.len()),
         };
         f.debug_struct("Block")
@@ -188,6 +191,7 @@ impl BlockPool {
         for _ in 0..n {
             let data = match self.layout.format {
                 KvFormat::F32 => BlockData::F32(vec![0f32; len].into_boxed_slice()),
+                KvFormat::F16 => BlockData::F16(vec![half::f16::ZERO; len].into_boxed_slice()),
                 KvFormat::Int8 => BlockData::Int8(Int8Block {
                     values: vec![0i8; len].into_boxed_slice(),
                     scales: vec![0f32; scales].into_boxed_slice(),
@@ -313,10 +317,22 @@ mod tests {
         let b = pool.allocate().expect("block");
         match b.data() {
             BlockData::Int8(d) => assert_eq!((d.values.len(), d.scales.len()), (6144, 96)),
-            BlockData::F32(_) => panic!("an 8-bit pool makes 8-bit blocks"),
+            _ => panic!("an 8-bit pool makes 8-bit blocks"),
         }
         assert_eq!(pool.bytes_used(), 6528);
         pool.release(b);
         assert_eq!(BlockPool::new(192, BLOCK_TOKENS, 1).block_bytes(), 24_576);
+    }
+
+    #[test]
+    fn f16_blocks_are_half_of_f32() {
+        let layout = BlockLayout::new(192, 64, BLOCK_TOKENS, KvFormat::F16);
+        let mut pool = BlockPool::with_layout(layout, 2);
+        assert_eq!(pool.block_len(), 6144);
+        assert_eq!(pool.block_bytes(), 12_288);
+        let b = pool.allocate().expect("block");
+        assert!(matches!(b.data(), BlockData::F16(d) if d.len() == 6144));
+        assert_eq!(pool.bytes_used(), 12_288);
+        pool.release(b);
     }
 }

@@ -15,9 +15,9 @@ mod scalar;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
-use rayon::prelude::*;
 
 use crate::cpu::{simd_level, SimdLevel};
+use crate::prof::{self, Part};
 use pack::{code_slot, decode_block, format_of, scale_offset, Format, Sub};
 
 /// Output rows per panel: one 512-bit vector of i32 lanes.
@@ -26,6 +26,8 @@ pub const PANEL: usize = 16;
 pub const ACT_BLOCK: usize = 32;
 /// Multiply-accumulates below which a product runs on one thread (thread hand-off costs more).
 const PARALLEL_MIN_MACS: usize = 1 << 17;
+/// Tasks a parallel product is cut into per thread of the pool.
+const TASKS_PER_THREAD: usize = 16;
 
 /// A weight matrix `[n, k]` in panel layout (see [`pack`]).
 #[derive(Debug, Clone)]
@@ -293,6 +295,28 @@ pub fn matmul_many_at(
     rows: usize,
     outs: &mut [&mut [f32]],
 ) {
+    matmul_many_part(level, ws, x, rows, outs, Part::OtherProj)
+}
+
+/// As [`matmul_many`], its time counted as `part` in the profile ([`crate::prof`]).
+pub fn matmul_many_as(
+    ws: &[&PackedWeight],
+    x: &[f32],
+    rows: usize,
+    outs: &mut [&mut [f32]],
+    part: Part,
+) {
+    matmul_many_part(simd_level(), ws, x, rows, outs, part)
+}
+
+fn matmul_many_part(
+    level: SimdLevel,
+    ws: &[&PackedWeight],
+    x: &[f32],
+    rows: usize,
+    outs: &mut [&mut [f32]],
+    part: Part,
+) {
     assert_eq!(ws.len(), outs.len(), "one output per weight");
     let Some(first) = ws.first() else {
         return;
@@ -302,7 +326,7 @@ pub fn matmul_many_at(
         .any(|w| w.k != first.k || w.fmt.sub != first.fmt.sub)
     {
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            matmul_many_at(level, &[w], x, rows, &mut [out]);
+            matmul_many_part(level, &[w], x, rows, &mut [out], part);
         }
         return;
     }
@@ -317,7 +341,10 @@ pub fn matmul_many_at(
     for (w, out) in ws.iter().zip(outs.iter()) {
         assert_eq!(out.len(), rows * w.n, "output shape");
     }
+    let quantized = prof::time(Part::ActQuant);
     let acts = QActs::quantize(x, rows, first.k, first.fmt.sub);
+    drop(quantized);
+    let _product = prof::time(part);
     // Panel g of the whole group lies in weight i where starts[i] <= g < starts[i + 1].
     let mut starts = Vec::with_capacity(ws.len() + 1);
     starts.push(0);
@@ -326,15 +353,30 @@ pub fn matmul_many_at(
     }
     let total = starts[ws.len()];
     let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
+    let macs: usize = ws.iter().map(|w| rows * w.n * w.k).sum();
+    let parallel = macs >= PARALLEL_MIN_MACS;
+    // Task time is summed only for parallel loops: their wall time against it is the
+    // hand-off and waiting.
+    let profiling = parallel && prof::enabled();
     let run = |g: usize| {
+        let t = profiling.then(std::time::Instant::now);
         let i = starts.partition_point(|&s| s <= g) - 1;
         ws[i].panel_into(level, g - starts[i], &acts, rows, &ptrs[i]);
+        if let Some(t) = t {
+            prof::add(Part::ParallelBusy, t.elapsed().as_nanos() as u64);
+        }
     };
-    let macs: usize = ws.iter().map(|w| rows * w.n * w.k).sum();
-    if macs < PARALLEL_MIN_MACS {
+    if !parallel {
         (0..total).for_each(run);
     } else {
-        (0..total).into_par_iter().for_each(run);
+        // A few claims per thread: enough to even out a slow thread, few enough that the
+        // shared counter is not contended.
+        let per = total
+            .div_ceil(crate::pool::global().threads() * TASKS_PER_THREAD)
+            .max(1);
+        crate::pool::run(total.div_ceil(per), &|t| {
+            (t * per..((t + 1) * per).min(total)).for_each(run)
+        });
     }
 }
 
@@ -398,7 +440,15 @@ impl QActs {
             .zip(q.chunks_exact_mut(k))
             .zip(d.chunks_exact_mut(nb).zip(sum.chunks_exact_mut(k / sub)));
         if rows * k >= PARALLEL_MIN_QUANT {
-            parts.par_bridge().for_each(one_row);
+            // Each task writes its own rows: the row slices are handed out through a lock
+            // taken once per task (tasks are whole rows, far longer than the lock).
+            let parts = std::sync::Mutex::new(parts);
+            crate::pool::run(rows, &|_| {
+                let part = parts.lock().ok().and_then(|mut p| p.next());
+                if let Some(p) = part {
+                    one_row(p);
+                }
+            });
         } else {
             parts.for_each(one_row);
         }
