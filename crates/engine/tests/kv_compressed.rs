@@ -342,10 +342,12 @@ fn the_same_budget_holds_more_int8_blocks() {
     assert_eq!(f.memory.workspace_bytes, q.memory.workspace_bytes);
 }
 
-/// With 8-bit blocks, sequences batched together, preempted and recomputed give bit for bit
-/// what each gives alone.
-#[test]
-fn int8_preemption_and_batching_keep_each_sequences_results() {
+/// Sequences of `format` batched together (in steps of `step_tokens`), preempted and
+/// recomputed give bit for bit what each gives alone; returns the batched engine's stats.
+fn preemption_keeps_each_sequences_results(
+    format: KvFormat,
+    step_tokens: usize,
+) -> switchyard_engine::EngineStats {
     let src = source();
     let arrivals: Vec<(usize, Vec<u32>, usize)> = (0..3)
         .map(|i| (0, fixed_tokens(20 + 3 * i, 10 + i as u32), 40))
@@ -353,8 +355,7 @@ fn int8_preemption_and_batching_keep_each_sequences_results() {
     let alone: Vec<Out> = arrivals
         .iter()
         .map(|a| {
-            let mut core =
-                EngineCore::new(load(&src), Vec::new(), config(KvFormat::Int8)).expect("engine");
+            let mut core = EngineCore::new(load(&src), Vec::new(), config(format)).expect("engine");
             drive(&mut core, std::slice::from_ref(a))
                 .remove(&0)
                 .expect("output")
@@ -363,24 +364,36 @@ fn int8_preemption_and_batching_keep_each_sequences_results() {
     // 8 blocks per layer: three sequences growing to 60+ positions (4 blocks per layer each)
     // cannot all stay.
     let model = load(&src);
-    let mut cfg = config(KvFormat::Int8);
+    let mut cfg = config(format);
     cfg.scheduler.admission = AdmissionPolicy::Optimistic;
-    cfg.memory_budget = budget_for_blocks(&model, &cfg.scheduler, KvFormat::Int8, 8 * 30);
+    cfg.scheduler.max_batched_tokens = step_tokens;
+    cfg.memory_budget = budget_for_blocks(&model, &cfg.scheduler, format, 8 * 30);
     let mut core = EngineCore::new(model, Vec::new(), cfg).expect("engine");
     assert_eq!(core.stats().kv_blocks_total, 240);
     let got = drive(&mut core, &arrivals);
     for (i, want) in alone.iter().enumerate() {
-        assert_bits(&got[&(i as u64)], want, &format!("sequence {i}"));
+        assert_bits(&got[&(i as u64)], want, &format!("{format} sequence {i}"));
     }
     let s = core.stats();
     assert!(s.counters.preemptions >= 1, "{:?}", s.counters);
     assert!(s.counters.recomputed_tokens > 0);
-    // Only the prefix cache still holds blocks (prefix caching is on by default).
-    assert_eq!(s.kv_blocks_used, s.prefix_cached_blocks);
     eprintln!(
-        "preemptions {}, recomputed tokens {}",
+        "{format}: preemptions {}, recomputed tokens {}",
         s.counters.preemptions, s.counters.recomputed_tokens
     );
+    s
+}
+
+/// With 8-bit blocks, sequences batched together, preempted and recomputed give bit for bit
+/// what each gives alone.
+#[test]
+fn int8_preemption_and_batching_keep_each_sequences_results() {
+    let s = preemption_keeps_each_sequences_results(
+        KvFormat::Int8,
+        SchedulerConfig::default().max_batched_tokens,
+    );
+    // Only the prefix cache still holds blocks (prefix caching is on by default).
+    assert_eq!(s.kv_blocks_used, s.prefix_cached_blocks);
 }
 
 /// With 8-bit blocks, a prompt whose first blocks come from the prefix cache gives bit for bit
@@ -508,36 +521,9 @@ fn the_same_budget_holds_twice_the_f16_blocks() {
     assert_eq!(h.kv_format, KvFormat::F16);
 }
 
-/// With f16 blocks, sequences batched together, chunked into small steps, preempted and
-/// recomputed give bit for bit what each gives alone.
+/// With f16 blocks, sequences batched together, chunked into steps of 16 tokens, preempted
+/// and recomputed give bit for bit what each gives alone.
 #[test]
 fn f16_batching_chunking_and_preemption_keep_each_sequences_results() {
-    let src = source();
-    let arrivals: Vec<(usize, Vec<u32>, usize)> = (0..3)
-        .map(|i| (0, fixed_tokens(20 + 3 * i, 10 + i as u32), 40))
-        .collect();
-    let alone: Vec<Out> = arrivals
-        .iter()
-        .map(|a| {
-            let mut core =
-                EngineCore::new(load(&src), Vec::new(), config(KvFormat::F16)).expect("engine");
-            drive(&mut core, std::slice::from_ref(a))
-                .remove(&0)
-                .expect("output")
-        })
-        .collect();
-    let model = load(&src);
-    let mut cfg = config(KvFormat::F16);
-    cfg.scheduler.admission = AdmissionPolicy::Optimistic;
-    cfg.scheduler.max_batched_tokens = 16;
-    cfg.memory_budget = budget_for_blocks(&model, &cfg.scheduler, KvFormat::F16, 8 * 30);
-    let mut core = EngineCore::new(model, Vec::new(), cfg).expect("engine");
-    assert_eq!(core.stats().kv_blocks_total, 240);
-    let got = drive(&mut core, &arrivals);
-    for (i, want) in alone.iter().enumerate() {
-        assert_bits(&got[&(i as u64)], want, &format!("sequence {i}"));
-    }
-    let s = core.stats();
-    assert!(s.counters.preemptions >= 1, "{:?}", s.counters);
-    assert!(s.counters.recomputed_tokens > 0);
+    preemption_keeps_each_sequences_results(KvFormat::F16, 16);
 }
