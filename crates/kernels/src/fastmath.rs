@@ -81,17 +81,25 @@ fn softmax_body(xs: &mut [f32]) {
         xs.iter_mut().for_each(|v| *v *= inv);
         return;
     }
+    let inv = 1.0 / exp_shifted_body(xs, max);
+    xs.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// `x ← exp(x − m)` over `xs` and their sum (16 f32 lanes, fixed order), for `m` at least
+/// every x (finite).
+#[inline(always)]
+fn exp_shifted_body(xs: &mut [f32], m: f32) -> f32 {
     let mut acc = [0f32; LANES];
     let mut chunks = xs.chunks_exact_mut(LANES);
     for c in &mut chunks {
         for (a, v) in acc.iter_mut().zip(c.iter_mut()) {
-            *v = exp_nonpositive(*v - max);
+            *v = exp_nonpositive(*v - m);
             *a += *v;
         }
     }
     let mut sum = 0f32;
     for v in chunks.into_remainder() {
-        *v = exp_nonpositive(*v - max);
+        *v = exp_nonpositive(*v - m);
         sum += *v;
     }
     for half in [8, 4, 2, 1] {
@@ -99,8 +107,24 @@ fn softmax_body(xs: &mut [f32]) {
             acc[k] += acc[k + half];
         }
     }
-    let inv = 1.0 / (sum + acc[0]);
-    xs.iter_mut().for_each(|v| *v *= inv);
+    sum + acc[0]
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_shifted_avx2(xs: &mut [f32], m: f32) -> f32 {
+    exp_shifted_body(xs, m)
+}
+
+/// `x ← exp(x − m)` over `xs`, returning their sum: a softmax's numerators and normalizer
+/// for `m` the row's (finite) maximum, through the vectorized exp, summed in a fixed order.
+pub fn exp_shifted_in_place(xs: &mut [f32], m: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::simd_level() >= crate::cpu::SimdLevel::Avx2 {
+        // SAFETY: AVX2 and FMA were detected on this CPU (every level from Avx2 up has them).
+        return unsafe { exp_shifted_avx2(xs, m) };
+    }
+    exp_shifted_body(xs, m)
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -4,24 +4,29 @@
 //! engine owns (dense or paged, see [`crate::kv`]), not in contiguous tensors; candle's CPU
 //! flash attention needs the latter and would force a copy of the whole cache every step.
 //!
-//! Every (query row, head) is computed the same way whatever else is in the batch: scores over
-//! the visible keys in position order, softmax, weighted sum of values in position order. So a
-//! sequence's output does not depend on how it was batched or chunked (batch invariance): with
-//! row-independent matmul kernels, cached decoding, chunked prefill and continuous batching
-//! reproduce one-shot prefill bit for bit. Work is split over (sequence, key/value head, block
-//! of query rows); the inner loops are compiled for AVX-512, AVX2 and scalar and picked once
-//! per process ([`switchyard_kernels::cpu::simd_level`]).
+//! Positions are cut into fixed tiles of [`TILE`] positions, counted from position 0. For each
+//! (query row, head) a tile gives a partial softmax: its largest score `m`, `l = Σ exp(s − m)`
+//! and `o = Σ exp(s − m) · v` over the tile's visible positions, in position order; the row's
+//! output merges the tiles in order (`m* = max m`, `out = Σ e^(m − m*) o / Σ e^(m − m*) l`),
+//! as flash-decoding does. The tiles depend only on absolute positions, and a row's arithmetic
+//! never on which other rows share its task, so a sequence's output does not depend on how it
+//! was batched, chunked or split over threads (batch invariance): with row-independent matmul
+//! kernels, cached decoding, chunked prefill and continuous batching reproduce one-shot
+//! prefill bit for bit.
 //!
-//! 8-bit chunks ([`crate::kv::Int8Rows`]) are read in place: each position's head row is
-//! widened to f32 once (exactly) into a `head_dim` scratch the task reuses, used by every query
-//! head of its group, and its scale multiplies the dot product (keys) or the softmax weight
-//! (values) rather than every value. Measured on the development CPU (the ignored
-//! `int8_attention_timing` test, one thread, smollm2's shape, 1024 positions): a decode step of
-//! 16 sequences takes 6.6 ms over f32 blocks, 4.7 ms over 8-bit blocks read in place and
-//! 9.2 ms dequantizing each cache into a scratch copy first; a 256-row prefill 52, 55 and
-//! 52 ms. Decode reads a quarter of the bytes; prefill is bound by arithmetic, and widening
-//! once per task instead of per row did not measurably help it, so rows are widened one at a
-//! time.
+//! Work is split over (sequence, block of up to [`ROWS_PER_TASK`] query rows, tile), every
+//! head in one task: each task streams whole K and V rows (all key/value heads of a position
+//! at once, the next rows prefetched), so a paged cache's blocks are read once, in order, by
+//! one thread, and one long context still uses every core (its tiles run in parallel). Before
+//! this layout tasks were split by key/value head, each reading a third of every row; on
+//! SmolLM2's shape, 64 sequences of 1,024 positions in 16-position blocks, attention read
+//! 8.0 GB/s of K/V against 15.5 GB/s now (the ignored `paged_decode_attention_timing` test).
+//!
+//! f16 rows ([`crate::kv::F16Rows`]) are widened to f32 a row at a time (exactly); 8-bit rows
+//! ([`crate::kv::Int8Rows`]) a head at a time, their scale multiplying the dot product (keys)
+//! or the softmax weight (values) rather than every value. The inner loops are compiled for
+//! AVX-512 and for AVX2 / scalar and picked once per process
+//! ([`switchyard_kernels::cpu::simd_level`]).
 
 use switchyard_kernels::cpu::{simd_level, SimdLevel};
 use switchyard_kernels::prof::{self, Part};
@@ -29,11 +34,15 @@ use switchyard_kernels::prof::{self, Part};
 use crate::kv::KvChunk;
 use crate::Result;
 
-/// Query rows per work item: enough work per task to amortise scheduling, small enough to
-/// spread a long prefill over all cores.
+/// Query rows per task: they share each K and V row read.
 const ROWS_PER_TASK: usize = 16;
+/// Positions per tile (fixed by absolute position: part of the arithmetic, not of the split).
+pub const TILE: usize = 256;
 /// Multiply-accumulates below which attention runs on the calling thread.
 const PARALLEL_MIN_WORK: usize = 1 << 16;
+/// Positions ahead whose K (or V) row is prefetched: a paged cache's blocks are separate
+/// allocations, so the hardware prefetcher loses the stream at every block.
+const PREFETCH_AHEAD: usize = 4;
 
 #[derive(Debug, Clone, Copy)]
 pub struct AttnShape {
@@ -55,14 +64,31 @@ pub struct SeqAttn<'a> {
     pub chunks: Vec<KvChunk<'a>>,
 }
 
+/// One work item: rows `rows` of sequence `seq`, positions of tile `tile`.
+#[derive(Debug, Clone)]
+struct Task {
+    seq: usize,
+    rows: std::ops::Range<usize>,
+    tile: usize,
+}
+
+/// Floats of one (row, head) partial: `m`, `l`, then `o` (`head_dim` values).
+fn partial_len(hd: usize) -> usize {
+    hd + 2
+}
+
 /// Attention output for every query row of every sequence, `[rows][n_heads * head_dim]`, in the
 /// order the sequences are given.
 pub fn attend(seqs: &[SeqAttn<'_>], shape: &AttnShape) -> Result<Vec<f32>> {
+    attend_at(seqs, shape, simd_level())
+}
+
+/// [`attend`] on the inner loops of `level` (which the CPU must run).
+fn attend_at(seqs: &[SeqAttn<'_>], shape: &AttnShape, level: SimdLevel) -> Result<Vec<f32>> {
     let _span = tracing::trace_span!("attention", seqs = seqs.len()).entered();
     let _t = prof::time(Part::Attention);
     let hd = shape.head_dim;
     let width = shape.n_heads * hd;
-    let group = shape.n_heads / shape.n_kv_heads;
     let row = shape.n_kv_heads * hd;
     for s in seqs {
         for c in &s.chunks {
@@ -90,33 +116,43 @@ pub fn attend(seqs: &[SeqAttn<'_>], shape: &AttnShape) -> Result<Vec<f32>> {
             ))
             .into());
         }
-    }
-    // (sequence, its first row in the batch, key/value head, first row, end row)
-    let mut tasks = Vec::new();
-    let mut row0 = 0;
-    for (si, s) in seqs.iter().enumerate() {
-        for g in 0..shape.n_kv_heads {
-            let mut i = 0;
-            while i < s.n {
-                let end = (i + ROWS_PER_TASK).min(s.n);
-                tasks.push((si, row0, g, i, end));
-                i = end;
-            }
+        if s.q.len() < s.n * width {
+            return Err(candle_core::Error::Msg(format!(
+                "{} query rows of {width} values need {} values, got {}",
+                s.n,
+                s.n * width,
+                s.q.len()
+            ))
+            .into());
         }
-        row0 += s.n;
     }
-    let level = simd_level();
-    // Work of every task (multiply-accumulates of scores and values): small steps run on
-    // this thread, where a hand-off would cost more than the work.
-    let work: usize = tasks
-        .iter()
-        .map(|&(si, _, _, i0, i1)| (i1 - i0) * (seqs[si].start + i1) * group * hd * 2)
-        .sum();
+    let mut tasks = Vec::new();
+    let mut work = 0usize;
+    for (si, s) in seqs.iter().enumerate() {
+        let mut i = 0;
+        while i < s.n {
+            let end = (i + ROWS_PER_TASK).min(s.n);
+            let lo = visible(shape, s.start + i).start;
+            let hi = s.start + end;
+            for tile in lo / TILE..hi.div_ceil(TILE) {
+                tasks.push(Task {
+                    seq: si,
+                    rows: i..end,
+                    tile,
+                });
+            }
+            work += (end - i) * (hi - lo) * shape.n_heads * hd * 2;
+            i = end;
+        }
+    }
+    let plen = partial_len(hd);
+    let run = |t: &Task| -> Vec<f32> {
+        let mut out = vec![0f32; t.rows.len() * shape.n_heads * plen];
+        tile_partials(&seqs[t.seq], t, shape, level, &mut out);
+        out
+    };
     let parts: Vec<Vec<f32>> = if work < PARALLEL_MIN_WORK {
-        tasks
-            .iter()
-            .map(|&(si, _, g, i0, i1)| run_task(&seqs[si], g, i0..i1, shape, level))
-            .collect()
+        tasks.iter().map(run).collect()
     } else {
         let profiling = prof::enabled();
         let slots: Vec<std::sync::Mutex<Vec<f32>>> = tasks
@@ -125,8 +161,7 @@ pub fn attend(seqs: &[SeqAttn<'_>], shape: &AttnShape) -> Result<Vec<f32>> {
             .collect();
         switchyard_kernels::pool::run(tasks.len(), &|t| {
             let timer = profiling.then(std::time::Instant::now);
-            let (si, _, g, i0, i1) = tasks[t];
-            let out = run_task(&seqs[si], g, i0..i1, shape, level);
+            let out = run(&tasks[t]);
             if let Some(timer) = timer {
                 prof::add(Part::ParallelBusy, timer.elapsed().as_nanos() as u64);
             }
@@ -139,269 +174,361 @@ pub fn attend(seqs: &[SeqAttn<'_>], shape: &AttnShape) -> Result<Vec<f32>> {
             .map(|s| s.into_inner().unwrap_or_default())
             .collect()
     };
-    let gw = group * hd;
-    let mut out = vec![0f32; row0 * width];
-    for (&(_, base, g, i0, i1), part) in tasks.iter().zip(&parts) {
-        for (k, i) in (i0..i1).enumerate() {
-            let dst = (base + i) * width + g * gw;
-            out[dst..dst + gw].copy_from_slice(&part[k * gw..(k + 1) * gw]);
-        }
-    }
-    Ok(out)
+    Ok(merge(seqs, shape, &tasks, &parts))
 }
 
-/// Output `[rows][group * head_dim]` of the query heads sharing key/value head `g`.
-fn run_task(
-    seq: &SeqAttn<'_>,
-    g: usize,
-    rows: std::ops::Range<usize>,
-    shape: &AttnShape,
-    level: SimdLevel,
-) -> Vec<f32> {
+/// Positions row at `pos` attends to.
+fn visible(shape: &AttnShape, pos: usize) -> std::ops::Range<usize> {
+    shape.window.map_or(0, |w| (pos + 1).saturating_sub(w))..pos + 1
+}
+
+/// Each row's output from its tiles' partials, merged in tile order.
+fn merge(seqs: &[SeqAttn<'_>], shape: &AttnShape, tasks: &[Task], parts: &[Vec<f32>]) -> Vec<f32> {
     let hd = shape.head_dim;
-    let group = shape.n_heads / shape.n_kv_heads;
-    let width = shape.n_heads * hd;
-    let mut out = vec![0f32; rows.len() * group * hd];
-    let mut scratch = Scratch {
-        scores: Vec::new(),
-        row: vec![0f32; hd],
-    };
-    for (k, i) in rows.enumerate() {
-        let pos = seq.start + i;
-        let job = GroupJob {
-            chunks: &seq.chunks,
-            head: g,
-            n_kv_heads: shape.n_kv_heads,
-            lo: shape.window.map_or(0, |w| (pos + 1).saturating_sub(w)),
-            hi: pos + 1,
-            scale: shape.scale,
-            heads: group,
-            hd,
-        };
-        // The group's query heads are adjacent in the row, and so are their outputs.
-        let q = &seq.q[i * width + g * group * hd..i * width + (g + 1) * group * hd];
-        let o = &mut out[k * group * hd..(k + 1) * group * hd];
-        job.run(level, q, &mut scratch, o);
+    let heads = shape.n_heads;
+    let width = heads * hd;
+    let plen = partial_len(hd);
+    let mut firsts = Vec::with_capacity(seqs.len());
+    let mut total = 0;
+    for s in seqs {
+        firsts.push(total);
+        total += s.n;
+    }
+    let mut out = vec![0f32; total * width];
+    let mut t = 0;
+    while t < tasks.len() {
+        // The tasks of one row block are consecutive, tiles in increasing order.
+        let mut e = t + 1;
+        while e < tasks.len() && tasks[e].seq == tasks[t].seq && tasks[e].rows == tasks[t].rows {
+            e += 1;
+        }
+        let block = &tasks[t].rows;
+        for (k, r) in block.clone().enumerate() {
+            for h in 0..heads {
+                let at = (k * heads + h) * plen;
+                let m = parts[t..e]
+                    .iter()
+                    .map(|p| p[at])
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let dst = &mut out[(firsts[tasks[t].seq] + r) * width + h * hd..][..hd];
+                let mut l = 0f32;
+                for p in &parts[t..e] {
+                    let (pm, pl) = (p[at], p[at + 1]);
+                    if pl == 0.0 {
+                        continue;
+                    }
+                    let w = (pm - m).exp();
+                    l += w * pl;
+                    for (d, o) in dst.iter_mut().zip(&p[at + 2..at + plen]) {
+                        *d += w * o;
+                    }
+                }
+                let inv = 1.0 / l;
+                dst.iter_mut().for_each(|d| *d *= inv);
+            }
+        }
+        t = e;
     }
     out
 }
 
-/// Buffers one task reuses for all its query rows.
-struct Scratch {
-    /// `[heads][visible positions]`.
-    scores: Vec<f32>,
-    /// One 8-bit head row widened to f32 (`head_dim` values).
-    row: Vec<f32>,
+/// Calls `f(chunk, offset, position)` for every held position in `a..b`, in order, and
+/// prefetches the `half` row [`PREFETCH_AHEAD`] positions ahead of each.
+#[inline(always)]
+fn for_positions<'c, 'a>(
+    chunks: &'c [KvChunk<'a>],
+    a: usize,
+    b: usize,
+    half: Half,
+    row: usize,
+    mut f: impl FnMut(&'c KvChunk<'a>, usize, usize),
+) {
+    let mut at = 0;
+    for (ci, c) in chunks.iter().enumerate() {
+        if at >= b {
+            break;
+        }
+        let end = at + c.tokens;
+        if end > a {
+            for t in a.saturating_sub(at)..(b - at).min(c.tokens) {
+                // The row PREFETCH_AHEAD positions on, in this chunk or the next.
+                let ahead = t + PREFETCH_AHEAD;
+                if ahead < c.tokens {
+                    prefetch(c, ahead, half, row);
+                } else if let Some(next) = chunks.get(ci + 1) {
+                    if ahead - c.tokens < next.tokens {
+                        prefetch(next, ahead - c.tokens, half, row);
+                    }
+                }
+                f(c, t, at + t);
+            }
+        }
+        at = end;
+    }
 }
 
 /// Which half of a cache row a pass reads.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Half {
     K,
     V,
 }
 
-/// One position's values of one key/value head, as the cache stores them.
-#[derive(Clone, Copy)]
-enum HeadRow<'a> {
-    F32(&'a [f32]),
-    F16(&'a [half::f16]),
-    /// The 8-bit values and their scale.
-    Int8(&'a [i8], f32),
-}
-
-impl HeadRow<'_> {
-    /// The values as f32 and the factor they still carry: an 8-bit row is widened into `buf`
-    /// (exactly, i8 -> f32) and its scale is applied once to the dot product or the softmax
-    /// weight instead of to every value. An f32 row carries 1, and `x * 1.0 == x`, so the f32
-    /// path keeps its arithmetic bit for bit.
-    #[inline(always)]
-    fn widen<'s>(self, buf: &'s mut [f32]) -> (&'s [f32], f32)
-    where
-        Self: 's,
-    {
-        match self {
-            HeadRow::F32(x) => (x, 1.0),
-            HeadRow::F16(x) => {
-                // Exact: every half is an f32 (F16C where the CPU has it).
-                half::slice::HalfFloatSliceExt::convert_to_f32_slice(x, buf);
-                (buf, 1.0)
-            }
-            HeadRow::Int8(q, scale) => {
-                for (d, &x) in buf.iter_mut().zip(q) {
-                    *d = f32::from(x);
-                }
-                (buf, scale)
-            }
-        }
-    }
-}
-
-/// The query heads sharing one key/value head, for one query row: each visible key and value
-/// is read once for all of them.
-struct GroupJob<'a, 'b> {
-    chunks: &'a [KvChunk<'b>],
-    /// The key/value head.
-    head: usize,
-    n_kv_heads: usize,
-    /// Visible positions `lo..hi`.
-    lo: usize,
-    hi: usize,
-    scale: f32,
-    heads: usize,
+/// One position's row of `half` as f32 (`row` values) and a factor per key/value head that
+/// multiplies what the row's values give (1 but for 8-bit rows). f32 rows are used in place;
+/// f16 and 8-bit rows are widened into `buf`.
+#[inline(always)]
+fn load_row<'b>(
+    c: &'b KvChunk<'_>,
+    t: usize,
+    half: Half,
+    row: usize,
     hd: usize,
+    buf: &'b mut [f32],
+    scales: &mut [f32],
+) -> &'b [f32] {
+    if let Some(h) = &c.f16 {
+        let src = match half {
+            Half::K => h.k,
+            Half::V => h.v,
+        };
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(&src[t * row..(t + 1) * row], buf);
+        return buf;
+    }
+    if let Some(q) = &c.int8 {
+        let (values, sc) = match half {
+            Half::K => (q.k, q.k_scales),
+            Half::V => (q.v, q.v_scales),
+        };
+        for (d, &x) in buf.iter_mut().zip(&values[t * row..(t + 1) * row]) {
+            *d = f32::from(x);
+        }
+        let heads = row / hd;
+        scales[..heads].copy_from_slice(&sc[t * heads..(t + 1) * heads]);
+        return buf;
+    }
+    match half {
+        Half::K => &c.k[t * row..(t + 1) * row],
+        Half::V => &c.v[t * row..(t + 1) * row],
+    }
 }
 
-impl GroupJob<'_, '_> {
-    /// `q`, `out`: `[heads][hd]`.
-    fn run(&self, level: SimdLevel, q: &[f32], scratch: &mut Scratch, out: &mut [f32]) {
-        let len = self.hi - self.lo;
-        let Scratch { scores, row } = scratch;
-        scores.clear();
-        scores.resize(self.heads * len, 0.0);
-        out.fill(0.0);
-        match level {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: simd_level() returns Avx512 only when the CPU reports avx512f.
-            SimdLevel::Avx512 if self.hd.is_multiple_of(16) => unsafe {
-                self.run_avx512(q, scores, row, out)
-            },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: simd_level() returns Avx2/Avx512 only when the CPU reports avx2 and fma.
-            SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { self.run_avx2(q, scores, row, out) },
-            _ => self.run_portable(q, scores, row, out),
-        }
-    }
-
-    /// Explicit AVX-512 for head sizes that are a multiple of 16 (all zoo models).
+/// Prefetches the `half` row at offset `t` of chunk `c`.
+#[inline(always)]
+fn prefetch(c: &KvChunk<'_>, t: usize, half: Half, row: usize) {
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn run_avx512(&self, q: &[f32], scores: &mut [f32], buf: &mut [f32], out: &mut [f32]) {
-        use std::arch::x86_64::*;
-        let (hd, heads) = (self.hd, self.heads);
-        let len = self.hi - self.lo;
-        let mut j = 0;
-        self.for_each(Half::K, |row| {
-            let (k, ks) = row.widen(buf);
-            for h in 0..heads {
-                let qh = &q[h * hd..(h + 1) * hd];
-                let mut acc = _mm512_setzero_ps();
-                let mut c = 0;
-                while c < hd {
-                    acc = _mm512_fmadd_ps(
-                        _mm512_loadu_ps(qh.as_ptr().add(c)),
-                        _mm512_loadu_ps(k.as_ptr().add(c)),
-                        acc,
-                    );
-                    c += 16;
-                }
-                scores[h * len + j] = _mm512_reduce_add_ps(acc) * ks * self.scale;
-            }
-            j += 1;
-        });
-        for h in 0..heads {
-            softmax_in_place(&mut scores[h * len..(h + 1) * len]);
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let (ptr, bytes) = if let Some(h) = &c.f16 {
+            let s = match half {
+                Half::K => h.k,
+                Half::V => h.v,
+            };
+            (s.as_ptr().wrapping_add(t * row) as *const i8, row * 2)
+        } else if let Some(q) = &c.int8 {
+            let s = match half {
+                Half::K => q.k,
+                Half::V => q.v,
+            };
+            (s.as_ptr().wrapping_add(t * row), row)
+        } else {
+            let s = match half {
+                Half::K => c.k,
+                Half::V => c.v,
+            };
+            (s.as_ptr().wrapping_add(t * row) as *const i8, row * 4)
+        };
+        let mut b = 0;
+        while b < bytes {
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.wrapping_add(b)) };
+            b += 64;
         }
-        let mut j = 0;
-        self.for_each(Half::V, |row| {
-            let (v, vs) = row.widen(buf);
-            for h in 0..heads {
-                let p = _mm512_set1_ps(scores[h * len + j] * vs);
-                let oh = &mut out[h * hd..(h + 1) * hd];
-                let mut c = 0;
-                while c < hd {
-                    let o = _mm512_loadu_ps(oh.as_ptr().add(c));
-                    let o = _mm512_fmadd_ps(p, _mm512_loadu_ps(v.as_ptr().add(c)), o);
-                    _mm512_storeu_ps(oh.as_mut_ptr().add(c), o);
-                    c += 16;
-                }
-            }
-            j += 1;
-        });
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (c, t, half, row);
+}
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2(&self, q: &[f32], scores: &mut [f32], buf: &mut [f32], out: &mut [f32]) {
-        self.run_portable(q, scores, buf, out)
+/// The partials of `task`'s rows over its tile, into `out` (`[row][head][m, l, o]`).
+fn tile_partials(
+    seq: &SeqAttn<'_>,
+    task: &Task,
+    shape: &AttnShape,
+    level: SimdLevel,
+    out: &mut [f32],
+) {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: simd_level() returns Avx512 only when the CPU reports avx512f.
+        SimdLevel::Avx512 if shape.head_dim.is_multiple_of(16) => unsafe {
+            tile_avx512(seq, task, shape, out)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: simd_level() returns Avx2/Avx512 only when the CPU reports avx2 and fma.
+        SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { tile_avx2(seq, task, shape, out) },
+        _ => tile_with::<Portable>(seq, task, shape, out),
     }
+}
 
-    /// The portable implementation; `run_avx2` compiles it with 256-bit vectors.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2(seq: &SeqAttn<'_>, task: &Task, shape: &AttnShape, out: &mut [f32]) {
+    tile_with::<Portable>(seq, task, shape, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512(seq: &SeqAttn<'_>, task: &Task, shape: &AttnShape, out: &mut [f32]) {
+    tile_with::<Avx512>(seq, task, shape, out)
+}
+
+/// The two vector operations of a tile, for one instruction set.
+trait Ops {
+    fn dot(a: &[f32], b: &[f32]) -> f32;
+    /// `y += w · x`.
+    fn axpy(w: f32, x: &[f32], y: &mut [f32]);
+}
+
+/// Plain loops in a fixed order; the compiler vectorizes them for the caller's instruction
+/// set.
+struct Portable;
+
+impl Ops for Portable {
     #[inline(always)]
-    fn run_portable(&self, q: &[f32], scores: &mut [f32], buf: &mut [f32], out: &mut [f32]) {
-        let (hd, heads) = (self.hd, self.heads);
-        let len = self.hi - self.lo;
-        let mut j = 0;
-        self.for_each(Half::K, |row| {
-            let (k, ks) = row.widen(buf);
-            for h in 0..heads {
-                scores[h * len + j] = dot(&q[h * hd..(h + 1) * hd], k) * ks * self.scale;
-            }
-            j += 1;
-        });
-        for h in 0..heads {
-            softmax_in_place(&mut scores[h * len..(h + 1) * len]);
-        }
-        let mut j = 0;
-        self.for_each(Half::V, |row| {
-            let (v, vs) = row.widen(buf);
-            for h in 0..heads {
-                axpy(scores[h * len + j] * vs, v, &mut out[h * hd..(h + 1) * hd]);
-            }
-            j += 1;
-        });
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        dot(a, b)
     }
 
-    /// Calls `f` with this job's head of `half` for each visible position, in order.
     #[inline(always)]
-    fn for_each(&self, half: Half, mut f: impl FnMut(HeadRow<'_>)) {
-        let hd = self.hd;
-        let row = self.n_kv_heads * hd;
-        let off = self.head * hd;
-        let mut pos = 0;
-        for c in self.chunks {
-            if pos >= self.hi {
-                break;
-            }
-            let from = self.lo.saturating_sub(pos).min(c.tokens);
-            let to = (self.hi - pos).min(c.tokens);
-            if let Some(h) = c.f16 {
-                let values = match half {
-                    Half::K => h.k,
-                    Half::V => h.v,
-                };
-                for t in from..to {
-                    f(HeadRow::F16(&values[t * row + off..t * row + off + hd]));
-                }
-                pos += c.tokens;
+    fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
+        axpy(w, x, y)
+    }
+}
+
+/// Explicit AVX-512 for lengths that are a multiple of 16 (every zoo model's head).
+#[cfg(target_arch = "x86_64")]
+struct Avx512;
+
+#[cfg(target_arch = "x86_64")]
+impl Ops for Avx512 {
+    #[inline(always)]
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        // SAFETY: only used from `tile_avx512`, which runs where the CPU has avx512f.
+        unsafe { dot_avx512(a, b) }
+    }
+
+    #[inline(always)]
+    fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { axpy_avx512(w, x, y) }
+    }
+}
+
+/// Scores, softmax and values of one tile.
+#[inline(always)]
+fn tile_with<O: Ops>(seq: &SeqAttn<'_>, task: &Task, shape: &AttnShape, out: &mut [f32]) {
+    let hd = shape.head_dim;
+    let heads = shape.n_heads;
+    let group = heads / shape.n_kv_heads;
+    let row = shape.n_kv_heads * hd;
+    let width = heads * hd;
+    let plen = partial_len(hd);
+    let (t0, t1) = (task.tile * TILE, (task.tile + 1) * TILE);
+    // Each row's visible positions inside the tile.
+    let spans: Vec<(usize, usize)> = task
+        .rows
+        .clone()
+        .map(|r| {
+            let v = visible(shape, seq.start + r);
+            (v.start.max(t0), v.end.min(t1))
+        })
+        .collect();
+    let a = spans.iter().map(|s| s.0).min().unwrap_or(t0);
+    let b = spans.iter().map(|s| s.1).max().unwrap_or(t0);
+    let mut buf = vec![0f32; row];
+    let mut sc = vec![1f32; shape.n_kv_heads];
+    let mut scores = vec![0f32; task.rows.len() * heads * TILE];
+    for_positions(&seq.chunks, a, b, Half::K, row, |c, t, p| {
+        let k = load_row(c, t, Half::K, row, hd, &mut buf, &mut sc);
+        for (kk, r) in task.rows.clone().enumerate() {
+            let (lo, hi) = spans[kk];
+            if p < lo || p >= hi {
                 continue;
             }
-            match (c.int8, half) {
-                (None, Half::K) => {
-                    for t in from..to {
-                        f(HeadRow::F32(&c.k[t * row + off..t * row + off + hd]));
-                    }
-                }
-                (None, Half::V) => {
-                    for t in from..to {
-                        f(HeadRow::F32(&c.v[t * row + off..t * row + off + hd]));
-                    }
-                }
-                (Some(q), half) => {
-                    let (values, scales) = match half {
-                        Half::K => (q.k, q.k_scales),
-                        Half::V => (q.v, q.v_scales),
-                    };
-                    for t in from..to {
-                        f(HeadRow::Int8(
-                            &values[t * row + off..t * row + off + hd],
-                            scales[t * self.n_kv_heads + self.head],
-                        ));
-                    }
-                }
+            let q = &seq.q[r * width..(r + 1) * width];
+            for h in 0..heads {
+                let g = h / group;
+                let s = O::dot(&q[h * hd..(h + 1) * hd], &k[g * hd..(g + 1) * hd]);
+                scores[(kk * heads + h) * TILE + (p - t0)] = s * sc[g] * shape.scale;
             }
-            pos += c.tokens;
         }
+    });
+    for (kk, &(lo, hi)) in spans.iter().enumerate() {
+        for h in 0..heads {
+            let at = (kk * heads + h) * plen;
+            if lo >= hi {
+                out[at] = f32::NEG_INFINITY;
+                out[at + 1] = 0.0;
+                continue;
+            }
+            let s = &mut scores[(kk * heads + h) * TILE..][lo - t0..hi - t0];
+            let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            out[at] = m;
+            out[at + 1] = switchyard_kernels::fastmath::exp_shifted_in_place(s, m);
+        }
+    }
+    for_positions(&seq.chunks, a, b, Half::V, row, |c, t, p| {
+        let v = load_row(c, t, Half::V, row, hd, &mut buf, &mut sc);
+        for (kk, &(lo, hi)) in spans.iter().enumerate() {
+            if p < lo || p >= hi {
+                continue;
+            }
+            for h in 0..heads {
+                let g = h / group;
+                let w = scores[(kk * heads + h) * TILE + (p - t0)] * sc[g];
+                let at = (kk * heads + h) * plen + 2;
+                O::axpy(w, &v[g * hd..(g + 1) * hd], &mut out[at..at + hd]);
+            }
+        }
+    });
+}
+
+/// `a · b` for lengths that are a multiple of 16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = _mm512_setzero_ps();
+    let n = a.len().min(b.len());
+    let mut c = 0;
+    while c + 16 <= n {
+        acc = _mm512_fmadd_ps(
+            _mm512_loadu_ps(a.as_ptr().add(c)),
+            _mm512_loadu_ps(b.as_ptr().add(c)),
+            acc,
+        );
+        c += 16;
+    }
+    _mm512_reduce_add_ps(acc)
+}
+
+/// `y += w · x` for lengths that are a multiple of 16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn axpy_avx512(w: f32, x: &[f32], y: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let wv = _mm512_set1_ps(w);
+    let n = x.len().min(y.len());
+    let mut c = 0;
+    while c + 16 <= n {
+        let o = _mm512_loadu_ps(y.as_ptr().add(c));
+        _mm512_storeu_ps(
+            y.as_mut_ptr().add(c),
+            _mm512_fmadd_ps(wv, _mm512_loadu_ps(x.as_ptr().add(c)), o),
+        );
+        c += 16;
     }
 }
 
@@ -440,14 +567,6 @@ fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     for (yi, xi) in y.iter_mut().zip(x) {
         *yi += a * xi;
     }
-}
-
-/// Through the kernels' vectorized exp: at a context of 1,024 a decode step takes
-/// 1,024 exponentials per query head per layer, which the scalar `exp` made a large share of
-/// attention.
-#[inline(always)]
-fn softmax_in_place(x: &mut [f32]) {
-    switchyard_kernels::fastmath::softmax_in_place(x)
 }
 
 #[cfg(test)]
@@ -776,7 +895,8 @@ mod tests {
     }
 
     /// Every compiled path this CPU can run (scalar, AVX2, AVX-512) reads 8-bit chunks
-    /// correctly: attention over the dequantized values, as the reference computes it.
+    /// correctly: attention over the dequantized values, as the reference computes it, over a
+    /// context that spans two tiles (so their partials are merged).
     #[test]
     fn int8_chunks_are_read_alike_by_every_simd_path() {
         let levels: &[SimdLevel] = match simd_level() {
@@ -786,31 +906,22 @@ mod tests {
         };
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let s = SMOLLM2;
-        let (start, n) = (33, 7);
+        let (start, n) = (TILE + 33, 7);
         let (k, v) = realistic(&mut rng, start + n, &s);
         let q: Vec<f32> = realistic(&mut rng, n * 3, &s).0;
         let quant = Quantized::new(&k, &v, s.head_dim);
         let (dk, dv) = quant.dequantized(s.head_dim);
         let want = reference(&q, &dk, &dv, start, n, &s);
-        let seq = SeqAttn {
-            q: &q,
-            start,
-            n,
-            chunks: quant.chunks(&s, 16),
-        };
-        let (hd, group) = (s.head_dim, s.n_heads / s.n_kv_heads);
         for &level in levels {
-            for g in 0..s.n_kv_heads {
-                let got = run_task(&seq, g, 0..n, &s, level);
-                for i in 0..n {
-                    let w = &want[i * s.n_heads * hd + g * group * hd..][..group * hd];
-                    for (a, b) in got[i * group * hd..(i + 1) * group * hd].iter().zip(w) {
-                        assert!(
-                            (a - b).abs() < 1e-5,
-                            "{level:?} head {g} row {i}: {a} vs {b}"
-                        );
-                    }
-                }
+            let seq = SeqAttn {
+                q: &q,
+                start,
+                n,
+                chunks: quant.chunks(&s, 16),
+            };
+            let got = attend_at(&[seq], &s, level).expect("attend");
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!((a - b).abs() < 1e-5, "{level:?} value {i}: {a} vs {b}");
             }
         }
     }
@@ -975,6 +1086,76 @@ mod tests {
                 f32_t * 1e3,
                 int8_t * 1e3,
                 scratch_t * 1e3
+            );
+        }
+    }
+
+    /// Decode attention as the serving engine runs it: `seqs` sequences of `ctx` positions in
+    /// 16-position blocks, each block its own allocation (K rows then V rows), a different
+    /// layer's blocks at each call so nothing stays in cache. Prints ms per layer and the K/V
+    /// bytes read per second. Run with `--ignored --nocapture`.
+    #[test]
+    #[ignore = "timing; prints numbers"]
+    fn paged_decode_attention_timing() {
+        use std::time::Instant;
+        let s = SMOLLM2;
+        let row = s.n_kv_heads * s.head_dim;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        for (seqs, ctx) in [(64usize, 1024usize), (8, 256), (1, 1024)] {
+            let layers = (2_000_000_000 / (seqs * ctx * row * 8)).clamp(2, 30);
+            let blocks: Vec<Vec<Vec<Box<[f32]>>>> = (0..layers)
+                .map(|_| {
+                    (0..seqs)
+                        .map(|_| {
+                            (0..ctx.div_ceil(16))
+                                .map(|_| {
+                                    (0..2 * 16 * row)
+                                        .map(|_| rng.random_range(-1.0f32..1.0))
+                                        .collect()
+                                })
+                                .collect()
+                        })
+                        .collect()
+                })
+                .collect();
+            let q: Vec<f32> = (0..seqs * s.n_heads * s.head_dim)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let width = s.n_heads * s.head_dim;
+            let run = |l: usize| {
+                let views: Vec<SeqAttn<'_>> = blocks[l]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, bs)| SeqAttn {
+                        q: &q[i * width..(i + 1) * width],
+                        start: ctx - 1,
+                        n: 1,
+                        chunks: bs
+                            .iter()
+                            .enumerate()
+                            .map(|(b, d)| {
+                                let t = 16.min(ctx - b * 16);
+                                KvChunk::f32(&d[..t * row], &d[16 * row..(16 + t) * row], t)
+                            })
+                            .collect(),
+                    })
+                    .collect();
+                std::hint::black_box(attend(&views, &s).expect("attend"));
+            };
+            run(0);
+            let t = Instant::now();
+            let reps = 3;
+            for _ in 0..reps {
+                for l in 0..layers {
+                    run(l);
+                }
+            }
+            let per = t.elapsed().as_secs_f64() / (reps * layers) as f64;
+            let bytes = (seqs * ctx * row * 8) as f64;
+            eprintln!(
+                "paged decode {seqs} x {ctx} positions, {layers} layers of data: {:.3} ms per layer, {:.1} GB/s of K/V",
+                per * 1e3,
+                bytes / per / 1e9
             );
         }
     }

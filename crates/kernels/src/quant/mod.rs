@@ -429,28 +429,31 @@ impl QActs {
         let mut q = vec![0i8; rows * k];
         let mut d = vec![0f32; rows * nb];
         let mut sum = vec![0i32; rows * (k / sub)];
-        let one_row = |((xr, qr), (dr, sr)): RowParts<'_>| {
+        let one_row = |((xr, qr), (dr, sr)): &mut RowParts<'_>| {
             quantize_row(xr, qr, dr);
             for (s, c) in sr.iter_mut().zip(qr.chunks_exact(sub)) {
                 *s = c.iter().map(|&v| v as i32).sum();
             }
         };
-        let parts = x
+        let mut parts: Vec<RowParts<'_>> = x
             .chunks_exact(k)
             .zip(q.chunks_exact_mut(k))
-            .zip(d.chunks_exact_mut(nb).zip(sum.chunks_exact_mut(k / sub)));
+            .zip(d.chunks_exact_mut(nb).zip(sum.chunks_exact_mut(k / sub)))
+            .collect();
         if rows * k >= PARALLEL_MIN_QUANT {
-            // Each task writes its own rows: the row slices are handed out through a lock
-            // taken once per task (tasks are whole rows, far longer than the lock).
-            let parts = std::sync::Mutex::new(parts);
-            crate::pool::run(rows, &|_| {
-                let part = parts.lock().ok().and_then(|mut p| p.next());
-                if let Some(p) = part {
-                    one_row(p);
+            // Each task quantizes its own run of rows (taken through a lock it alone uses).
+            let per = rows.div_ceil(crate::pool::global().threads() * TASKS_PER_THREAD);
+            let runs: Vec<std::sync::Mutex<&mut [RowParts<'_>]>> = parts
+                .chunks_mut(per.max(1))
+                .map(std::sync::Mutex::new)
+                .collect();
+            crate::pool::run(runs.len(), &|t| {
+                if let Ok(mut run) = runs[t].lock() {
+                    run.iter_mut().for_each(one_row);
                 }
             });
         } else {
-            parts.for_each(one_row);
+            parts.iter_mut().for_each(one_row);
         }
         Self { k, q, d, sum, sub }
     }
