@@ -27,13 +27,17 @@ static TIMING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 #[derive(Default)]
 struct Seen {
     bodies: Mutex<Vec<Value>>,
+    /// Connections closed without a response (`close` and `closefirst`).
+    closed: AtomicUsize,
     in_flight: AtomicUsize,
     peak_in_flight: AtomicUsize,
 }
 
 /// How to answer one request, read from its prompt: `key=value` pairs separated by `;`.
 /// `mode` is `ok` (default), `500`, `drop` (close after two chunks), `bad` (a malformed
-/// line), `nodone` (end cleanly without `[DONE]`), `empty` (`[DONE]` with no text).
+/// line), `nodone` (end cleanly without `[DONE]`), `empty` (`[DONE]` with no text), `close`
+/// (close the connection without a response), `closefirst` (`close` for the server's first
+/// such request, `ok` after it).
 struct Script {
     mode: String,
     first_ms: u64,
@@ -123,10 +127,20 @@ async fn serve_one(mut sock: TcpStream, seen: Arc<Seen>) -> std::io::Result<()> 
     }
     .to_string();
     seen.bodies.lock().expect("lock").push(body);
+    let script = Script::parse(&prompt);
+    let close = match script.mode.as_str() {
+        "close" => true,
+        "closefirst" => seen.closed.load(Ordering::SeqCst) == 0,
+        _ => false,
+    };
+    if close {
+        seen.closed.fetch_add(1, Ordering::SeqCst);
+        return sock.shutdown().await;
+    }
     let now = seen.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
     seen.peak_in_flight.fetch_max(now, Ordering::SeqCst);
     let mut guard = InFlight(Some(&seen.in_flight));
-    answer(&mut sock, &Script::parse(&prompt), chat, &mut guard).await
+    answer(&mut sock, &script, chat, &mut guard).await
 }
 
 /// One request in flight at the server, until released (before `[DONE]`, so that a client
@@ -472,6 +486,47 @@ async fn failed_requests_are_counted_with_their_errors() {
         .iter()
         .filter(|x| !x.success)
         .all(|x| x.output_tokens == 0));
+}
+
+/// A connection that fails before any response (a kept-alive connection the server closed)
+/// is retried once on a new one, and counted; a second failure fails the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_closed_before_any_response_is_retried_once() {
+    let (url, seen) = start_server().await;
+    let r = run(
+        &requests("mode=closefirst;chunks=2;gap_ms=1", 1),
+        &options(&url, RequestRate::Infinite),
+    )
+    .await;
+    assert_eq!(
+        (r.metrics.completed, r.metrics.failed, r.metrics.retried),
+        (1, 0, 1)
+    );
+    assert_eq!(seen.bodies.lock().expect("lock").len(), 2);
+    assert_eq!(seen.closed.load(Ordering::SeqCst), 1);
+    let rec = &r.requests.as_ref().expect("saved")[0];
+    assert!(
+        rec.retried && rec.success && rec.text_chunks == 2,
+        "{rec:?}"
+    );
+
+    let (url, seen) = start_server().await;
+    let r = run(
+        &requests("mode=close", 2),
+        &options(&url, RequestRate::Infinite),
+    )
+    .await;
+    assert_eq!(
+        (r.metrics.completed, r.metrics.failed, r.metrics.retried),
+        (0, 2, 2)
+    );
+    assert_eq!(seen.closed.load(Ordering::SeqCst), 4);
+    assert!(
+        r.markdown()
+            .contains("| Retried requests (connection failed before a response) | 2 |"),
+        "{}",
+        r.markdown()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

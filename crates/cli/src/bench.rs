@@ -119,8 +119,8 @@ pub struct StepArgs {
     /// Decode steps averaged per cell.
     #[arg(long, default_value_t = switchyard_bench::step::DEFAULT_STEPS)]
     steps: usize,
-    /// K/V cache format: f32, f16 or int8.
-    #[arg(long, default_value = "f32")]
+    /// K/V cache format: f16 (the engine's default), f32 or int8.
+    #[arg(long, default_value = "f16")]
     kv_format: switchyard_engine::KvFormat,
     /// Bytes the engine may hold, e.g. 8GiB.
     #[arg(long, default_value = "8GiB", value_parser = parse_budget)]

@@ -45,10 +45,10 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Positions per KV block.
     pub block_tokens: usize,
-    /// How KV blocks store K and V: f32 (the default; results bit for bit those of a dense
-    /// cache) or 8-bit with per-position scales (the `kv-compressed` mode: ~3.8x the
-    /// positions in the same memory, attention within a stated tolerance; see
-    /// [`crate::kv::format`]).
+    /// How KV blocks store K and V: f16 (the default: half the bytes of f32, each value the
+    /// nearest half), f32 (results bit for bit those of a dense f32 cache) or 8-bit with
+    /// per-position scales (the `kv-compressed` mode: ~3.8x the positions of f32 in the same
+    /// memory, attention within a stated tolerance; see [`crate::kv::format`]).
     pub kv_format: KvFormat,
     /// Longest sequence (prompt + output) served, below the model's context (as vLLM's
     /// `max_model_len`): without chunked prefill the activation workspace is sized for one
@@ -63,7 +63,7 @@ impl Default for EngineConfig {
             memory_budget: DEFAULT_MEMORY_BUDGET,
             scheduler: SchedulerConfig::default(),
             block_tokens: BLOCK_TOKENS,
-            kv_format: KvFormat::F32,
+            kv_format: KvFormat::default(),
             max_model_len: None,
         }
     }

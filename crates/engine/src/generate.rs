@@ -49,6 +49,20 @@ pub fn generate(
     tokenizer: &Tokenizer,
     prompt: &[u32],
     params: &SamplingParams,
+    on_text: impl FnMut(&str),
+) -> Result<Generation> {
+    let kv = DenseKv::new(model.n_layers(), model.spec().kv_row_len());
+    generate_with_cache(model, tokenizer, prompt, params, kv, on_text)
+}
+
+/// [`generate`] over a given empty cache, e.g. [`DenseKv::rounded_to_f16`] for the tokens the
+/// serving engine gives with its default f16 blocks.
+pub fn generate_with_cache(
+    model: &LayeredModel,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    params: &SamplingParams,
+    mut kv: DenseKv,
     mut on_text: impl FnMut(&str),
 ) -> Result<Generation> {
     params.validate()?;
@@ -65,7 +79,6 @@ pub fn generate(
     }
     let max_new = params.max_tokens.min(context - prompt.len());
 
-    let mut kv = DenseKv::new(model.n_layers(), spec.kv_row_len());
     let mut sampler = Sampler::new(params);
     let mut stop = StopMatcher::new(&params.stop);
     let mut stream = tokenizer.stream();

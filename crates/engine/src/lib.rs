@@ -38,7 +38,7 @@ pub use crate::core::{
 pub use doorbell::Doorbell;
 pub use exit::{sampled_rows, ExitHead, ExitSpan, LogitLens};
 pub use external::RequestBackend;
-pub use generate::{generate, Generation, GenerationTiming};
+pub use generate::{generate, generate_with_cache, Generation, GenerationTiming};
 pub use handle::{EngineHandle, EngineInfo, EngineStatus, Pending, RequestStream};
 pub use kv::KvFormat;
 pub use output::{Completion, OutputProcessor, RequestOutput};

@@ -46,7 +46,8 @@ fn greedy(max_tokens: usize) -> SamplingParams {
 /// Greedy tokens and their log-probabilities for `prompt` alone, with a dense cache and
 /// one-shot prefill, through the first `depth` layers.
 fn alone(model: &LayeredModel, prompt: &[u32], n: usize, depth: usize) -> (Vec<u32>, Vec<f32>) {
-    let mut kv = DenseKv::new(model.n_layers(), model.spec().kv_row_len());
+    // The engine's default f16 blocks hold each value rounded to half precision.
+    let mut kv = DenseKv::rounded_to_f16(model.n_layers(), model.spec().kv_row_len());
     let mut logits = last_logits_at_depth(model, &mut kv, 0, prompt, depth).expect("prefill");
     let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
     for i in 0..n {
@@ -81,7 +82,8 @@ fn budget_for_blocks(model: &LayeredModel, cfg: &SchedulerConfig, blocks: u64) -
         cfg.max_step_tokens(spec.context_length),
         cfg.max_num_seqs,
     ) as u64;
-    let block_bytes = (2 * BLOCK_TOKENS * spec.kv_row_len() * 4) as u64;
+    // K and V, 2 bytes a value in the default f16 blocks.
+    let block_bytes = (2 * BLOCK_TOKENS * spec.kv_row_len() * 2) as u64;
     model.resident_bytes().total() as u64 + workspace + blocks * block_bytes
 }
 
@@ -426,7 +428,7 @@ fn exit_probes_report_confidences_without_changing_the_tokens() {
         let mut ctx = prompt.clone();
         ctx.extend_from_slice(&want[..i]);
         let exit = PROBES.iter().copied().find(|&d| {
-            let mut kv = DenseKv::new(model.n_layers(), model.spec().kv_row_len());
+            let mut kv = DenseKv::rounded_to_f16(model.n_layers(), model.spec().kv_row_len());
             let logits = last_logits_at_depth(&model, &mut kv, 0, &ctx, d).expect("probe");
             switchyard_engine::max_prob(&logits) >= THRESHOLD
         });

@@ -106,7 +106,8 @@ impl World {
         let spec = full.spec().clone();
         let workspace =
             activation_bytes(&spec, SCHED.max_batched_tokens, SCHED.max_num_seqs) as u64;
-        let block_bytes = (2 * BLOCK_TOKENS * spec.kv_row_len() * 4) as u64;
+        // K and V, 2 bytes a value in the default f16 blocks.
+        let block_bytes = (2 * BLOCK_TOKENS * spec.kv_row_len() * 2) as u64;
         let budget =
             full.resident_bytes().total() as u64 + workspace + BLOCKS_AT_FULL_DEPTH * block_bytes;
         let half = LayeredModel::load(

@@ -227,7 +227,8 @@ fn layers_load_in_the_background_while_a_request_streams() {
 fn a_prompt_over_the_whole_budget_gets_an_error_on_its_stream() {
     let src = source();
     let model = load(&src, None);
-    // Weights + workspace + 1 MiB of KV: 42 blocks, one position per layer and a bit.
+    // Weights + workspace + 1 MiB of KV: 85 f16 blocks of 12,288 bytes (16 positions of K and
+    // V, 192 values each), under three blocks per layer at full depth.
     let workspace = switchyard_engine::kv::activation_bytes(
         model.spec(),
         switchyard_engine::scheduler::DEFAULT_MAX_BATCHED_TOKENS,
@@ -244,7 +245,7 @@ fn a_prompt_over_the_whole_budget_gets_an_error_on_its_stream() {
             SamplingParams::greedy(4),
         ))
         .expect("queued");
-    // 6 tokens take 30 of the 42 blocks: it runs.
+    // 6 tokens take 30 of the 85 blocks: it runs.
     let first = s.blocking_next().expect("an output").expect("ok");
     assert_eq!(first.token_ids.len(), 1);
     let long = "word ".repeat(40);
@@ -254,14 +255,14 @@ fn a_prompt_over_the_whole_budget_gets_an_error_on_its_stream() {
     match s.blocking_next() {
         Some(Err(
             e @ EngineError::PromptExceedsMemory {
-                pool_blocks: 42,
+                pool_blocks: 85,
                 depth: 30,
                 ..
             },
         )) => {
             assert!(e
                 .to_string()
-                .contains("the whole KV pool under the memory budget holds 42"))
+                .contains("the whole KV pool under the memory budget holds 85"))
         }
         other => panic!("expected an out-of-memory refusal, got {other:?}"),
     }

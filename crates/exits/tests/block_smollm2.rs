@@ -306,6 +306,8 @@ fn the_batching_engine_serves_a_block_head_at_fixed_depth() -> anyhow::Result<()
                 prefix_caching,
                 ..SchedulerConfig::default()
             },
+            // The per-token reference holds exact f32 K/V.
+            kv_format: switchyard_engine::KvFormat::F32,
             ..EngineConfig::default()
         };
         let eog = switchyard_engine::end_of_generation_tokens(&tokenizer);

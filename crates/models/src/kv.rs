@@ -145,6 +145,8 @@ pub trait SeqKv: Send + Sync {
 pub struct DenseKv {
     row: usize,
     layers: Vec<(Vec<f32>, Vec<f32>)>,
+    /// Rounds every value to the nearest half float as it is stored.
+    half: bool,
 }
 
 impl DenseKv {
@@ -152,6 +154,18 @@ impl DenseKv {
         Self {
             row,
             layers: vec![(Vec::new(), Vec::new()); n_layers],
+            half: false,
+        }
+    }
+
+    /// A cache that holds exactly what f16 blocks would: each value is rounded to the nearest
+    /// half float on the way in (widening it back to f32 is exact), so attention reads the
+    /// values a paged f16 cache gives it. The reference for the serving engine's default
+    /// format, and how a score measures that format on text.
+    pub fn rounded_to_f16(n_layers: usize, row: usize) -> Self {
+        Self {
+            half: true,
+            ..Self::new(n_layers, row)
         }
     }
 
@@ -205,6 +219,11 @@ impl SeqKv for DenseKv {
         vs[at..at + overlap].copy_from_slice(&v[..overlap]);
         ks.extend_from_slice(&k[overlap..]);
         vs.extend_from_slice(&v[overlap..]);
+        if self.half {
+            for x in ks[at..].iter_mut().chain(vs[at..].iter_mut()) {
+                *x = half::f16::from_f32(*x).to_f32();
+            }
+        }
         Ok(())
     }
 

@@ -54,7 +54,7 @@ pub fn engine_config(mode: Mode, budget: u64) -> EngineConfig {
         kv_format: if mode.kv_compressed() {
             KvFormat::Int8
         } else {
-            KvFormat::F32
+            KvFormat::default()
         },
         ..EngineConfig::default()
     }

@@ -70,7 +70,10 @@ fn direct(p: Precision) -> String {
         max_tokens: TOKENS,
         ..SamplingParams::default()
     };
-    switchyard_engine::generate(&model, &tok, &prompt, &params, |_| {})
+    // The modes serve from the engine's default f16 K/V blocks.
+    let kv =
+        switchyard_models::DenseKv::rounded_to_f16(model.n_layers(), model.spec().kv_row_len());
+    switchyard_engine::generate_with_cache(&model, &tok, &prompt, &params, kv, |_| {})
         .expect("generate")
         .text
 }

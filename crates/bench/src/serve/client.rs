@@ -53,6 +53,9 @@ pub(crate) struct Measured {
     pub finish_reason: Option<String>,
     pub ended: Instant,
     pub failure: Option<RequestFailure>,
+    /// The first attempt failed before any response (a kept-alive connection the server had
+    /// closed) and the request was sent again on a new connection.
+    pub retried: bool,
 }
 
 /// One request as the report keeps it (`--save-requests`); times in milliseconds from the
@@ -85,6 +88,8 @@ pub struct RequestRecord {
     pub finish_reason: Option<String>,
     /// `usage.prompt_tokens` as the server counted them, when it sent usage.
     pub server_prompt_tokens: Option<u64>,
+    /// Sent a second time after its first connection failed before any response.
+    pub retried: bool,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -144,6 +149,7 @@ impl RequestRecord {
             text_chunks: m.text_at.len(),
             finish_reason: m.finish_reason.clone(),
             server_prompt_tokens: m.usage.and_then(|u| u.prompt_tokens),
+            retried: m.retried,
         }
     }
 
@@ -157,6 +163,7 @@ impl RequestRecord {
             finish_reason: None,
             ended: now,
             failure: Some(RequestFailure::Lost),
+            retried: false,
         };
         Self::new(index, req, start, now, &m)
     }
@@ -216,6 +223,12 @@ impl Client {
     }
 
     /// Sends one request and times its stream. Never fails: what goes wrong is recorded.
+    ///
+    /// A request whose connection fails before any response arrives is sent once more: a
+    /// kept-alive connection the server closed between requests fails that way (hyper's
+    /// "connection closed before message completed"), and the server has then seen nothing
+    /// of the request. Browsers and most HTTP clients retry that case the same way; the
+    /// request's times count from the second send, and the report counts the retries.
     pub async fn measure(&self, prompt: &str, max_tokens: usize) -> Measured {
         let body = self.body(prompt, max_tokens);
         let mut m = Measured {
@@ -225,8 +238,15 @@ impl Client {
             finish_reason: None,
             ended: Instant::now(),
             failure: None,
+            retried: false,
         };
-        m.failure = self.stream(&body, &mut m).await.err();
+        m.failure = match self.stream(&body, &mut m).await {
+            Err(Attempt::NoResponse(_)) => {
+                m.retried = true;
+                self.stream(&body, &mut m).await.err().map(Attempt::failure)
+            }
+            r => r.err().map(Attempt::failure),
+        };
         m.ended = Instant::now();
         m
     }
@@ -235,7 +255,7 @@ impl Client {
         &self,
         body: &serde_json::Value,
         m: &mut Measured,
-    ) -> std::result::Result<(), RequestFailure> {
+    ) -> std::result::Result<(), Attempt> {
         let mut req = self
             .http
             .post(self.url.clone())
@@ -245,18 +265,25 @@ impl Client {
             req = req.bearer_auth(key);
         }
         m.sent = Instant::now();
-        let mut resp = req.send().await.map_err(|e| self.transport(&e))?;
+        let mut resp = match req.send().await {
+            Ok(r) => r,
+            Err(e) if !e.is_timeout() => return Err(Attempt::NoResponse(self.transport(&e))),
+            Err(e) => return Err(Attempt::Failed(self.transport(&e))),
+        };
         let status = resp.status();
         if !status.is_success() {
             let text = resp.text().await.unwrap_or_default();
-            return Err(RequestFailure::Status {
+            return Err(Attempt::Failed(RequestFailure::Status {
                 status: status.as_u16(),
                 body: text.chars().take(ERROR_BODY_CHARS).collect(),
-            });
+            }));
         }
         let mut lines = LineSplitter::default();
         loop {
-            let bytes = resp.chunk().await.map_err(|e| self.transport(&e))?;
+            let bytes = resp
+                .chunk()
+                .await
+                .map_err(|e| Attempt::Failed(self.transport(&e)))?;
             let now = Instant::now();
             let (batch, ended) = match bytes {
                 Some(b) => (lines.push(&b[..]), false),
@@ -267,9 +294,9 @@ impl Client {
             };
             for line in batch {
                 tracing::trace!(line = %String::from_utf8_lossy(&line), "stream");
-                match parse_line(&line)? {
+                match parse_line(&line).map_err(|e| Attempt::Failed(e.into()))? {
                     Line::Ignored => {}
-                    Line::Done => return finished(m),
+                    Line::Done => return finished(m).map_err(Attempt::Failed),
                     Line::Chunk(c) => {
                         if c.has_text() {
                             m.text_at.push(now);
@@ -284,13 +311,13 @@ impl Client {
                 }
             }
             if ended {
-                return Err(if m.text_at.is_empty() {
+                return Err(Attempt::Failed(if m.text_at.is_empty() {
                     RequestFailure::NoText {
                         finish_reason: m.finish_reason.clone(),
                     }
                 } else {
                     RequestFailure::NoDone
-                });
+                }));
             }
         }
     }
@@ -308,6 +335,21 @@ impl Client {
             source = s.source();
         }
         RequestFailure::Transport(text)
+    }
+}
+
+/// How one attempt at a request ended, when it failed.
+enum Attempt {
+    /// The connection failed before any response: the request may be sent again.
+    NoResponse(RequestFailure),
+    Failed(RequestFailure),
+}
+
+impl Attempt {
+    fn failure(self) -> RequestFailure {
+        match self {
+            Attempt::NoResponse(f) | Attempt::Failed(f) => f,
+        }
     }
 }
 
@@ -349,6 +391,7 @@ mod tests {
             finish_reason: Some("length".into()),
             ended: at(125),
             failure: None,
+            retried: false,
         };
         let r = RequestRecord::new(3, &req(), start, at(5), &m);
         let close = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-6);

@@ -128,6 +128,8 @@ pub enum TokenCount {
 pub struct Metrics {
     pub completed: usize,
     pub failed: usize,
+    /// Requests sent a second time after a connection failed before any response.
+    pub retried: usize,
     /// Prompt tokens of the completed requests.
     pub total_input_tokens: usize,
     pub total_output_tokens: usize,
@@ -177,6 +179,7 @@ impl Metrics {
         Self {
             completed: ok.len(),
             failed: records.len() - ok.len(),
+            retried: records.iter().filter(|r| r.retried).count(),
             total_input_tokens,
             total_output_tokens,
             output_tokens_from,
@@ -208,6 +211,7 @@ impl Serialize for Metrics {
         let mut map = s.serialize_map(None)?;
         map.serialize_entry("completed", &self.completed)?;
         map.serialize_entry("failed", &self.failed)?;
+        map.serialize_entry("retried", &self.retried)?;
         map.serialize_entry("total_input_tokens", &self.total_input_tokens)?;
         map.serialize_entry("total_output_tokens", &self.total_output_tokens)?;
         map.serialize_entry("output_tokens_from", &self.output_tokens_from)?;
@@ -248,6 +252,7 @@ mod tests {
             text_chunks: out,
             finish_reason: None,
             server_prompt_tokens: None,
+            retried: false,
         }
     }
 

@@ -129,6 +129,10 @@ impl ServeReport {
         let mut rows: Vec<(String, String)> = vec![
             ("Successful requests".into(), m.completed.to_string()),
             ("Failed requests".into(), m.failed.to_string()),
+            (
+                "Retried requests (connection failed before a response)".into(),
+                m.retried.to_string(),
+            ),
             ("Benchmark duration (s)".into(), num(m.duration_s, 2)),
             (
                 "Total input tokens".into(),
@@ -234,6 +238,7 @@ mod tests {
             text_chunks: 0,
             finish_reason: None,
             server_prompt_tokens: None,
+            retried: false,
         }
     }
 

@@ -26,10 +26,12 @@ const F16_BYTES: usize = std::mem::size_of::<half::f16>();
 #[serde(rename_all = "lowercase")]
 pub enum KvFormat {
     /// f32 values, as computed: results are those of a dense f32 cache, bit for bit.
-    #[default]
     F32,
-    /// Half floats: each value the nearest f16 to the f32 one (relative error at most
-    /// 2^-11 in the normal range), half the bytes of f32 to store and to read.
+    /// Half floats, the default: each value the nearest f16 to the f32 one (relative error
+    /// at most 2^-11 in the normal range), half the bytes of f32 to store and to read.
+    /// Measured on SmolLM2: -0.004 % bits per byte on Paradise Lost against f32, and decode
+    /// steps of 32 sequences at 1,024 positions 1.7x faster (`bench step`).
+    #[default]
     F16,
     /// i8 values with one f32 scale per (position, key/value head), absmax / 127: each value
     /// within half a scale step of the f32 one.
@@ -150,6 +152,6 @@ mod tests {
             (format!("{vs_f32:.3}"), format!("{vs_f16:.3}")),
             ("3.765".into(), "1.882".into())
         );
-        assert_eq!(KvFormat::default(), KvFormat::F32);
+        assert_eq!(KvFormat::default(), KvFormat::F16);
     }
 }
