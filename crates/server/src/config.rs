@@ -154,6 +154,8 @@ pub struct ModelSection {
     pub chunked_prefill: Option<bool>,
     /// Longest sequence (prompt + output) served, below the model's context.
     pub max_model_len: Option<usize>,
+    /// K/V block format: "f16" (the default), "f32" or "int8".
+    pub kv_format: Option<switchyard_engine::KvFormat>,
 }
 
 /// The HELIOS orchestrator over the local models of a repository, served as one model name.
@@ -282,6 +284,7 @@ impl Config {
                 prefix_caching: None,
                 chunked_prefill: None,
                 max_model_len: None,
+                kv_format: None,
             }],
             backends: Vec::new(),
             helios: None,
@@ -389,6 +392,10 @@ mod tests {
         assert_eq!(cfg.models.len(), 1);
         assert_eq!(cfg.models[0].name, switchyard_zoo::DEFAULT_MODEL);
         assert_eq!(cfg.models[0].memory_budget.as_deref(), Some("2GiB"));
+        assert_eq!(
+            cfg.models[0].kv_format,
+            Some(switchyard_engine::KvFormat::default())
+        );
         assert!(cfg.backends.is_empty());
     }
 
@@ -526,6 +533,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("unknown field `prot`"), "{err}");
+        let err = Config::parse("[[models]]\nname = \"m\"\nkv_format = \"f8\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown variant `f8`"), "{err}");
         let err = Config::parse("[server]\nport = 1\n")
             .unwrap_err()
             .to_string();

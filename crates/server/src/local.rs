@@ -58,6 +58,9 @@ impl LocalModel {
             cfg.scheduler.chunked_prefill = c;
         }
         cfg.max_model_len = section.max_model_len;
+        if let Some(f) = section.kv_format {
+            cfg.kv_format = f;
+        }
         let handle = EngineHandle::start(model, tokenizer, cfg, &section.name)?;
         let info = handle.info().clone();
         Ok(Self {
