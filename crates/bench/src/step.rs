@@ -224,16 +224,7 @@ fn run_cell(
         covered += v;
         parts_ms.insert(p.name().to_string(), v * 1e3);
     }
-    let parallel_parts = [
-        Part::QkvProj,
-        Part::OutProj,
-        Part::GateUp,
-        Part::Down,
-        Part::LmHead,
-        Part::OtherProj,
-        Part::Attention,
-    ];
-    let parallel_wall: f64 = parallel_parts.iter().map(|&p| part_s(p)).sum();
+    let parallel_wall: f64 = Part::PARALLEL.iter().map(|&p| part_s(p)).sum();
     let busy = part_s(Part::ParallelBusy);
     // Positions held during the measured steps: the prompt and the tokens decoded so far
     // (about the prefill's steps for the first sequences; the context is the floor).

@@ -81,6 +81,18 @@ impl Part {
         Part::ParallelBusy,
     ];
 
+    /// The parts that run as parallel loops on the compute pool, whose tasks add to
+    /// [`Part::ParallelBusy`]: the weight products and attention.
+    pub const PARALLEL: [Part; 7] = [
+        Part::QkvProj,
+        Part::OutProj,
+        Part::GateUp,
+        Part::Down,
+        Part::LmHead,
+        Part::OtherProj,
+        Part::Attention,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Part::Embed => "embed",

@@ -382,7 +382,7 @@ unsafe fn tile_avx512(seq: &SeqAttn<'_>, task: &Task, shape: &AttnShape, out: &m
     tile_with::<Avx512>(seq, task, shape, out)
 }
 
-/// The two vector operations of a tile, for one instruction set.
+/// The vector operations of a tile, for one instruction set.
 trait Ops {
     /// `dst[i] = src[i]` as f32 (exact).
     fn widen_f16(src: &[half::f16], dst: &mut [f32]);
