@@ -42,6 +42,18 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-generation tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// OpenAI's presence penalty (-2 to 2) on tokens already generated.
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    presence_penalty: f32,
+    /// OpenAI's frequency penalty (-2 to 2), per occurrence in the output.
+    #[arg(long, default_value_t = 0.0, allow_hyphen_values = true)]
+    frequency_penalty: f32,
+    /// Drop tokens below this share of the most likely one's probability (0 is off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// End-of-generation tokens are banned until this many tokens exist.
+    #[arg(long, default_value_t = 0)]
+    min_tokens: usize,
     #[command(flatten)]
     early_exit: crate::exits::EarlyExitArgs,
 }
@@ -56,6 +68,11 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
         seed: a.seed,
         stop: a.stop,
         ignore_eos: a.ignore_eos,
+        presence_penalty: a.presence_penalty,
+        frequency_penalty: a.frequency_penalty,
+        min_p: a.min_p,
+        min_tokens: a.min_tokens,
+        ..SamplingParams::default()
     };
     params.validate()?;
     let loaded = load_model(&a.model, &LoadOptions::default())?;

@@ -77,7 +77,7 @@ pub struct EngineRequest {
 }
 
 /// What one step produced for one sequence.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TokenOutput {
     pub id: RequestId,
     /// The new token (`None` when an end-of-generation token or a memory limit ended it).
@@ -93,6 +93,8 @@ pub struct TokenOutput {
     pub finish: Option<FinishReason>,
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: usize,
+    /// The request's `top_logprobs` alternatives at this position (empty unless asked).
+    pub top_logprobs: Vec<(u32, f32)>,
 }
 
 /// The result of one step.
@@ -179,6 +181,14 @@ pub struct ExitProbe {
 struct Request {
     sampler: Sampler,
 }
+
+/// A step's sampled tokens, their exit confidences and their requested log-probability
+/// alternatives.
+type StepSamples = (
+    Vec<SampledToken>,
+    HashMap<RequestId, ExitSeen>,
+    HashMap<RequestId, Vec<(u32, f32)>>,
+);
 
 pub struct EngineCore {
     model: LayeredModel,
@@ -319,7 +329,7 @@ impl EngineCore {
         self.requests.insert(
             id,
             Request {
-                sampler: Sampler::new(&req.params),
+                sampler: Sampler::new(&req.params).with_end_tokens(&self.end_of_generation),
             },
         );
         Ok(())
@@ -356,6 +366,7 @@ impl EngineCore {
                     probe_exit: None,
                     finish: Some(reason),
                     cached_tokens: 0,
+                    top_logprobs: Vec::new(),
                 }),
                 SeqEnd::TooLarge {
                     tokens,
@@ -376,7 +387,7 @@ impl EngineCore {
             return result;
         }
         match self.run(&plan) {
-            Ok((sampled, exits)) => {
+            Ok((sampled, exits, mut top)) => {
                 let _t = prof::time(Part::Schedule);
                 let logprobs: HashMap<RequestId, f32> =
                     sampled.iter().map(|t| (t.id, t.logprob)).collect();
@@ -398,6 +409,7 @@ impl EngineCore {
                         probe_exit: exit.probe_exit,
                         finish: u.finish,
                         cached_tokens,
+                        top_logprobs: top.remove(&u.id).unwrap_or_default(),
                     });
                 }
             }
@@ -418,10 +430,7 @@ impl EngineCore {
     }
 
     /// The batched forward of a plan, the sampled tokens and their exit confidences.
-    fn run(
-        &mut self,
-        plan: &SchedulerOutput,
-    ) -> Result<(Vec<SampledToken>, HashMap<RequestId, ExitSeen>)> {
+    fn run(&mut self, plan: &SchedulerOutput) -> Result<StepSamples> {
         let depth = self.scheduler.depth();
         let mut tokens = Vec::with_capacity(plan.total_tokens());
         let mut rows: Vec<(RequestId, u32)> = Vec::new();
@@ -507,7 +516,7 @@ impl EngineCore {
                 .sequence_logits(&self.model, &hidden, depth, &spans(plan))?
         } else {
             let Some(idx) = idx else {
-                return Ok((Vec::new(), HashMap::new()));
+                return Ok((Vec::new(), HashMap::new(), HashMap::new()));
             };
             self.exit
                 .exit_logits(&self.model, &hidden.index_select(&idx, 0)?, depth)?
@@ -519,19 +528,24 @@ impl EngineCore {
         let _t = prof::time(Part::Sample);
         let mut sampled = Vec::with_capacity(rows.len());
         let mut exits = HashMap::with_capacity(rows.len());
+        let mut top = HashMap::new();
         for (((id, _), row), probe_exit) in rows.iter().zip(&logits).zip(probe_exit) {
             let (Some(seq), Some(req)) = (self.scheduler.sequence(*id), self.requests.get_mut(id))
             else {
                 continue;
             };
-            let s = req.sampler.sample(row, seq.tokens());
+            let s = req.sampler.sample(row, seq.tokens(), seq.prompt_len());
             let token = s.token;
             sampled.push(SampledToken {
                 id: *id,
                 token,
                 logprob: s.logprob,
                 end_of_generation: self.end_of_generation.contains(&token),
+                stop_token: req.sampler.params().stop_token_ids.contains(&token),
             });
+            if !s.top.is_empty() {
+                top.insert(*id, s.top);
+            }
             exits.insert(
                 *id,
                 ExitSeen {
@@ -540,7 +554,7 @@ impl EngineCore {
                 },
             );
         }
-        Ok((sampled, exits))
+        Ok((sampled, exits, top))
     }
 
     /// Tests `probe`'s exits below the serving depth on every sampled row from the next step

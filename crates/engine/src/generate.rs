@@ -79,7 +79,13 @@ pub fn generate_with_cache(
     }
     let max_new = params.max_tokens.min(context - prompt.len());
 
-    let mut sampler = Sampler::new(params);
+    // The end tokens matter to the sampler only under `min_tokens`.
+    let eog = if params.min_tokens > 0 {
+        crate::end_of_generation_tokens(tokenizer)
+    } else {
+        Vec::new()
+    };
+    let mut sampler = Sampler::new(params).with_end_tokens(&eog);
     let mut stop = StopMatcher::new(&params.stop);
     let mut stream = tokenizer.stream();
     let mut history = prompt.to_vec();
@@ -96,12 +102,14 @@ pub fn generate_with_cache(
     let mut decode_start = None;
     let mut hit_stop_string = false;
     loop {
-        let next = sampler.sample(&logits, &history).token;
+        let next = sampler.sample(&logits, &history, prompt.len()).token;
         if decode_start.is_none() {
             out.timing.prompt_secs = t0.elapsed().as_secs_f64();
             decode_start = Some(Instant::now());
         }
-        if !params.ignore_eos && tokenizer.is_end_of_generation(next) {
+        if (!params.ignore_eos && tokenizer.is_end_of_generation(next))
+            || params.stop_token_ids.contains(&next)
+        {
             out.finish_reason = FinishReason::Stop;
             break;
         }

@@ -61,6 +61,8 @@ pub enum EngineError {
     Candle(#[from] candle_core::Error),
     #[error("the prompt is empty")]
     EmptyPrompt,
+    #[error("`{param}` is not supported here: {reason}")]
+    Unsupported { param: &'static str, reason: String },
     #[error("the prompt has {prompt} tokens; the model's context holds {context}, leaving no room to generate")]
     PromptTooLong { prompt: usize, context: usize },
     #[error("the prompt has {prompt} tokens, which need {blocks_needed} KV blocks at depth {depth}; the whole KV pool under the memory budget holds {pool_blocks}")]

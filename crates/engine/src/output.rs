@@ -130,6 +130,8 @@ pub struct RequestOutput {
     pub token_ids: Vec<u32>,
     /// Their log-probabilities under the model.
     pub logprobs: Vec<f32>,
+    /// Per token, the requested most likely alternatives (empty lists unless asked).
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     /// Their exit confidences at the serving depth (largest softmax probability).
     pub confidences: Vec<f32>,
     /// Their first passing probed exit, with an exit probe set (see `ExitProbe`).
@@ -159,6 +161,7 @@ pub struct Completion {
     pub id: RequestId,
     pub token_ids: Vec<u32>,
     pub logprobs: Vec<f32>,
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     pub confidences: Vec<f32>,
     pub probe_exits: Vec<Option<u16>>,
     pub text: String,
@@ -181,6 +184,7 @@ impl Completion {
                 id: o.id,
                 token_ids: Vec::new(),
                 logprobs: Vec::new(),
+                top_logprobs: Vec::new(),
                 confidences: Vec::new(),
                 probe_exits: Vec::new(),
                 text: String::new(),
@@ -194,6 +198,7 @@ impl Completion {
             });
             c.token_ids.extend_from_slice(&o.token_ids);
             c.logprobs.extend_from_slice(&o.logprobs);
+            c.top_logprobs.extend(o.top_logprobs);
             c.confidences.extend_from_slice(&o.confidences);
             c.probe_exits.extend_from_slice(&o.probe_exits);
             c.text.push_str(&o.text);
@@ -321,6 +326,7 @@ impl<'t> OutputProcessor<'t> {
                 probe_exit: None,
                 finish: Some(reason),
                 cached_tokens: 0,
+                top_logprobs: Vec::new(),
             },
             Instant::now(),
         );
@@ -336,8 +342,10 @@ impl<'t> OutputProcessor<'t> {
         }
         step.outputs
             .into_iter()
-            .filter(|o| self.emit(*o, now))
-            .map(|o| o.id)
+            .filter_map(|o| {
+                let id = o.id;
+                self.emit(o, now).then_some(id)
+            })
             .collect()
     }
 
@@ -351,6 +359,7 @@ impl<'t> OutputProcessor<'t> {
         let mut stopped = false;
         let mut token_ids = Vec::new();
         let mut logprobs = Vec::new();
+        let mut top_logprobs = Vec::new();
         let mut confidences = Vec::new();
         let mut probe_exits = Vec::new();
         if o.token.is_some() || o.finish == Some(FinishReason::Stop) {
@@ -360,6 +369,7 @@ impl<'t> OutputProcessor<'t> {
         if let Some(tok) = o.token {
             token_ids.push(tok);
             logprobs.push(o.logprob);
+            top_logprobs.push(o.top_logprobs);
             confidences.push(o.confidence);
             probe_exits.push(o.probe_exit);
             t.output_tokens += 1;
@@ -384,6 +394,7 @@ impl<'t> OutputProcessor<'t> {
             id: o.id,
             token_ids,
             logprobs,
+            top_logprobs,
             confidences,
             probe_exits,
             depth: self.depth,
@@ -428,6 +439,7 @@ mod tests {
             id: RequestId(1),
             token_ids: vec![3],
             logprobs: vec![-0.5],
+            top_logprobs: vec![Vec::new()],
             confidences: Vec::new(),
             probe_exits: Vec::new(),
             depth: 1,

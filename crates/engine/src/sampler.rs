@@ -1,22 +1,36 @@
-//! Picks the next token from logits: repetition penalty, then greedy, or temperature, top-k
-//! and top-p followed by a draw from a seeded generator.
+//! Picks the next token from logits. The order follows vLLM's: `min_tokens` bans the end
+//! tokens, then `logit_bias`, the repetition penalty (prompt and output) and OpenAI's presence
+//! and frequency penalties (output only) change the logits; then greedy, or temperature,
+//! min-p, top-k and top-p followed by a draw from a seeded generator.
+//!
+//! Reported log-probabilities (the sampled token's and the `top_logprobs` alternatives) are
+//! the log-softmax of the logits after those changes and before temperature: the distribution
+//! the request asked the model to sample from, at temperature 1.
+
+use std::collections::HashMap;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use switchyard_request::SamplingParams;
 
-/// The chosen token and its log-probability under the model's own (unmodified) distribution.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// The chosen token and its log-probability (see the module docs).
+#[derive(Debug, Clone, PartialEq)]
 pub struct Sampled {
     pub token: u32,
     pub logprob: f32,
-    /// The largest probability of that distribution (the exit confidence).
+    /// The largest probability of the model's own distribution (the exit confidence).
     pub max_prob: f32,
+    /// The `top_logprobs` most likely tokens and their log-probabilities, most likely first
+    /// (ties by token id); empty unless the request asked for them.
+    pub top: Vec<(u32, f32)>,
 }
 
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
+    /// Banned while fewer than `min_tokens` tokens exist: the model's end-of-generation
+    /// tokens and the request's `stop_token_ids`.
+    end_tokens: Vec<u32>,
     rng: StdRng,
 }
 
@@ -29,42 +43,79 @@ impl Sampler {
         };
         Self {
             params: params.clone(),
+            end_tokens: params.stop_token_ids.clone(),
             rng,
         }
     }
 
-    /// `history`: prompt and generated tokens so far (for the repetition penalty).
-    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> Sampled {
+    /// The model's end-of-generation tokens, banned (with `stop_token_ids`) until
+    /// `min_tokens` tokens have been generated.
+    pub fn with_end_tokens(mut self, end_of_generation: &[u32]) -> Self {
+        self.end_tokens.extend_from_slice(end_of_generation);
+        self.end_tokens.sort_unstable();
+        self.end_tokens.dedup();
+        self
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// `tokens`: the prompt and the tokens generated so far; the first `prompt_len` of them
+    /// are the prompt (penalties other than the repetition penalty look at the output only).
+    pub fn sample(&mut self, logits: &[f32], tokens: &[u32], prompt_len: usize) -> Sampled {
         let _span = tracing::trace_span!("sample").entered();
+        // The logits are copied only when something changes them.
+        let processed = self
+            .params
+            .processes_logits()
+            .then(|| self.processed(logits, tokens, prompt_len));
+        let l = processed.as_deref().unwrap_or(logits);
         // One pass for the maximum (and the greedy token), one vectorized pass for the
-        // normalizer; the logits are copied only when a penalty changes them.
-        let (first, max) = argmax_max(logits);
-        let z = normalizer(logits, max);
-        let token = match (
-            self.params.is_greedy(),
-            self.params.repetition_penalty == 1.0,
-        ) {
-            (true, true) => first,
-            (true, false) => argmax(&self.penalized(logits, history)),
-            (false, _) => {
-                let l = self.penalized(logits, history);
-                self.draw(&l)
-            }
+        // normalizer.
+        let (first, max) = argmax_max(l);
+        let z = normalizer(l, max);
+        let token = if self.params.is_greedy() {
+            first
+        } else {
+            self.draw(l)
+        };
+        let log_z = z.ln();
+        let max_prob = match processed {
+            None => confidence(z),
+            Some(_) => max_prob(logits),
         };
         Sampled {
             token: token as u32,
-            logprob: ((logits[token] - max) as f64 - z.ln()) as f32,
-            max_prob: confidence(z),
+            logprob: ((l[token] - max) as f64 - log_z) as f32,
+            max_prob,
+            top: top_logprobs(l, self.params.top_logprobs, max, log_z),
         }
     }
 
-    /// `logits` with the repetition penalty applied to every token in `history`.
-    fn penalized(&self, logits: &[f32], history: &[u32]) -> Vec<f32> {
-        let penalty = self.params.repetition_penalty;
+    /// `logits` after the `min_tokens` ban, `logit_bias` and the penalties.
+    fn processed(&self, logits: &[f32], tokens: &[u32], prompt_len: usize) -> Vec<f32> {
+        let p = &self.params;
         let mut l = logits.to_vec();
-        if penalty != 1.0 {
+        let output = tokens
+            .get(prompt_len.min(tokens.len())..)
+            .unwrap_or_default();
+        if output.len() < p.min_tokens {
+            for &t in &self.end_tokens {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+        for &(t, bias) in &p.logit_bias {
+            if let Some(x) = l.get_mut(t as usize) {
+                *x += bias;
+            }
+        }
+        if p.repetition_penalty != 1.0 {
+            let penalty = p.repetition_penalty;
             let mut seen = vec![false; l.len()];
-            for &t in history {
+            for &t in tokens {
                 let i = t as usize;
                 if i < l.len() && !seen[i] {
                     seen[i] = true;
@@ -73,6 +124,17 @@ impl Sampler {
                     } else {
                         l[i] * penalty
                     };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let mut counts: HashMap<u32, u32> = HashMap::new();
+            for &t in output {
+                *counts.entry(t).or_default() += 1;
+            }
+            for (t, c) in counts {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x -= p.presence_penalty + p.frequency_penalty * c as f32;
                 }
             }
         }
@@ -99,6 +161,20 @@ impl Sampler {
             .iter()
             .map(|&i| (((l[i] - max) * inv_t) as f64).exp())
             .collect();
+        if p.min_p > 0.0 {
+            // Relative to the most likely token, whose unnormalized weight is exp(0) = 1.
+            let floor = p.min_p as f64;
+            let mut n = 0;
+            for k in 0..idx.len() {
+                if probs[k] >= floor {
+                    idx[n] = idx[k];
+                    probs[n] = probs[k];
+                    n += 1;
+                }
+            }
+            idx.truncate(n);
+            probs.truncate(n);
+        }
         let z: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|x| *x /= z);
         if p.top_p < 1.0 {
@@ -168,6 +244,24 @@ fn confidence(z: f64) -> f32 {
     }
 }
 
+/// The `n` largest entries of `l` as (token, log-probability), largest first (ties by id),
+/// for the row's maximum `max` and log-normalizer `log_z`.
+fn top_logprobs(l: &[f32], n: usize, max: f32, log_z: f64) -> Vec<(u32, f32)> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let by_logit = |a: &usize, b: &usize| l[*b].total_cmp(&l[*a]).then(a.cmp(b));
+    let mut idx: Vec<usize> = (0..l.len()).collect();
+    if n < idx.len() {
+        idx.select_nth_unstable_by(n - 1, by_logit);
+        idx.truncate(n);
+    }
+    idx.sort_unstable_by(by_logit);
+    idx.into_iter()
+        .map(|i| (i as u32, ((l[i] - max) as f64 - log_z) as f32))
+        .collect()
+}
+
 /// `log softmax(logits)[i]`, the normalizer summed in f64.
 pub fn log_softmax_at(logits: &[f32], i: usize) -> f32 {
     let (_, max) = argmax_max(logits);
@@ -199,7 +293,7 @@ mod tests {
     #[test]
     fn greedy_takes_argmax_and_reports_logprob() {
         let mut s = Sampler::new(&SamplingParams::greedy(1));
-        let out = s.sample(&[0.0, 2.0, 1.0], &[]);
+        let out = s.sample(&[0.0, 2.0, 1.0], &[], 0);
         assert_eq!(out.token, 1);
         let z = (0f64.exp() + 2f64.exp() + 1f64.exp()).ln();
         assert!((out.logprob as f64 - (2.0 - z)).abs() < 1e-6);
@@ -211,7 +305,7 @@ mod tests {
         let draws = |seed| {
             let mut s = Sampler::new(&params(|p| p.seed = Some(seed)));
             (0..40)
-                .map(|_| s.sample(&logits, &[]).token)
+                .map(|_| s.sample(&logits, &[], 0).token)
                 .collect::<Vec<_>>()
         };
         assert_eq!(draws(7), draws(7));
@@ -223,17 +317,17 @@ mod tests {
         let logits = [3.0f32, 2.9, 1.0, 0.5, -1.0];
         let mut s = Sampler::new(&params(|p| p.top_k = 2));
         for _ in 0..200 {
-            assert!(s.sample(&logits, &[]).token <= 1);
+            assert!(s.sample(&logits, &[], 0).token <= 1);
         }
         // softmax: 0.47, 0.43, 0.06, ... top_p 0.5 keeps two tokens, 0.4 keeps one.
         let mut s = Sampler::new(&params(|p| p.top_p = 0.4));
         for _ in 0..200 {
-            assert_eq!(s.sample(&logits, &[]).token, 0);
+            assert_eq!(s.sample(&logits, &[], 0).token, 0);
         }
         let mut s = Sampler::new(&params(|p| p.top_p = 0.5));
         let mut seen = [0; 5];
         for _ in 0..400 {
-            seen[s.sample(&logits, &[]).token as usize] += 1;
+            seen[s.sample(&logits, &[], 0).token as usize] += 1;
         }
         assert!(
             seen[0] > 0 && seen[1] > 0 && seen[2..].iter().all(|&c| c == 0),
@@ -249,7 +343,7 @@ mod tests {
         let n = 20_000;
         let mut c = [0usize; 3];
         for _ in 0..n {
-            c[s.sample(&logits, &[]).token as usize] += 1;
+            c[s.sample(&logits, &[], 0).token as usize] += 1;
         }
         for (i, want) in [0.1, 0.2, 0.7].iter().enumerate() {
             let got = c[i] as f64 / n as f64;
@@ -261,7 +355,7 @@ mod tests {
         let mut s = Sampler::new(&params(|p| p.temperature = 0.5));
         let mut c = [0usize; 3];
         for _ in 0..n {
-            c[s.sample(&logits, &[]).token as usize] += 1;
+            c[s.sample(&logits, &[], 0).token as usize] += 1;
         }
         let want = 49.0 / 54.0;
         let got = c[2] as f64 / n as f64;
@@ -275,7 +369,7 @@ mod tests {
         let logits = [0.5f32, 3.0, 1.0, -2.0];
         let mut s = Sampler::new(&params(|p| p.temperature = 1e-40));
         for _ in 0..50 {
-            assert_eq!(s.sample(&logits, &[]).token, 1);
+            assert_eq!(s.sample(&logits, &[], 0).token, 1);
         }
     }
 
@@ -291,7 +385,7 @@ mod tests {
             });
             p.validate().expect("the bounds are valid");
             let s = Sampler::new(&p);
-            let l = s.penalized(&logits, &[0, 1, 2, 3, 4]);
+            let l = s.processed(&logits, &[0, 1, 2, 3, 4], 0);
             assert!(l.iter().all(|x| x.is_finite()), "{penalty}: {l:?}");
             let (_, probs) = s.distribution(&l);
             assert!(probs.iter().all(|x| x.is_finite()), "{penalty}: {probs:?}");
@@ -302,7 +396,7 @@ mod tests {
             p.temperature = SAMPLING_EPS;
             p.repetition_penalty = MIN_REPETITION_PENALTY;
         }));
-        assert_eq!(s.sample(&logits, &[0, 2]).token, 0);
+        assert_eq!(s.sample(&logits, &[0, 2], 0).token, 0);
     }
 
     #[test]
@@ -312,9 +406,94 @@ mod tests {
             ..SamplingParams::greedy(1)
         });
         // 4.0 / 2 = 2.0 < 3.0
-        assert_eq!(s.sample(&[4.0, 3.0, -1.0], &[0]).token, 1);
+        assert_eq!(s.sample(&[4.0, 3.0, -1.0], &[0], 0).token, 1);
         // negative logits are multiplied: -1 * 2 = -2, token 2 stays last
-        assert_eq!(s.sample(&[-3.0, -4.0, -1.0], &[2]).token, 2);
-        assert_eq!(s.sample(&[-3.0, -4.0, -1.0], &[2, 0]).token, 2);
+        assert_eq!(s.sample(&[-3.0, -4.0, -1.0], &[2], 0).token, 2);
+        assert_eq!(s.sample(&[-3.0, -4.0, -1.0], &[2, 0], 0).token, 2);
+    }
+
+    /// OpenAI's definitions: presence subtracts once per generated token seen, frequency
+    /// once per occurrence; prompt tokens are not counted.
+    #[test]
+    fn presence_and_frequency_penalties_follow_openai() {
+        let logits = [1.0f32, 2.0, 3.0, 4.0];
+        let s = Sampler::new(&params(|p| {
+            p.presence_penalty = 0.5;
+            p.frequency_penalty = 0.25;
+        }));
+        // Prompt [3, 3]; output [1, 2, 2].
+        let l = s.processed(&logits, &[3, 3, 1, 2, 2], 2);
+        assert_eq!(l, vec![1.0, 2.0 - 0.5 - 0.25, 3.0 - 0.5 - 0.5, 4.0]);
+        // Negative values encourage repetition.
+        let s = Sampler::new(&params(|p| p.presence_penalty = -1.0));
+        assert_eq!(s.processed(&logits, &[0], 0), vec![2.0, 2.0, 3.0, 4.0]);
+    }
+
+    #[test]
+    fn logit_bias_adds_and_minus_100_bans() {
+        let logits = [5.0f32, 1.0, 0.0];
+        let mut s = Sampler::new(&params(|p| {
+            p.temperature = 0.0;
+            p.logit_bias = vec![(0, -100.0), (2, 0.5)];
+        }));
+        let out = s.sample(&logits, &[], 0);
+        assert_eq!(out.token, 1);
+        let l = s.processed(&logits, &[], 0);
+        assert_eq!(l, vec![-95.0, 1.0, 0.5]);
+        // The reported log-probability is under the biased distribution.
+        let z = (l.iter().map(|&x| (x as f64 - 1.0).exp()).sum::<f64>()).ln();
+        assert!((out.logprob as f64 - (0.0 - z)).abs() < 1e-6);
+        // Sampled: the banned token never comes up.
+        let mut s = Sampler::new(&params(|p| p.logit_bias = vec![(0, -100.0)]));
+        assert!((0..500).all(|_| s.sample(&logits, &[], 0).token != 0));
+    }
+
+    #[test]
+    fn min_tokens_bans_end_tokens_until_reached() {
+        let logits = [0.0f32, 9.0, 1.0, 8.0];
+        let mk = || {
+            Sampler::new(&params(|p| {
+                p.temperature = 0.0;
+                p.min_tokens = 2;
+                p.stop_token_ids = vec![3];
+            }))
+            .with_end_tokens(&[1])
+        };
+        // Prompt of one token; 0 and 1 generated: 1 and 3 are banned, 2 wins.
+        assert_eq!(mk().sample(&logits, &[7], 1).token, 2);
+        assert_eq!(mk().sample(&logits, &[7, 2], 1).token, 2);
+        assert_eq!(mk().sample(&logits, &[7, 2, 2], 1).token, 1);
+    }
+
+    #[test]
+    fn min_p_keeps_tokens_near_the_best() {
+        // Probabilities 0.5, 0.3, 0.2 relative to the best: 1, 0.6, 0.4.
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
+        let mut s = Sampler::new(&params(|p| p.min_p = 0.5));
+        let mut seen = [0; 3];
+        for _ in 0..400 {
+            seen[s.sample(&logits, &[], 0).token as usize] += 1;
+        }
+        assert!(seen[0] > 0 && seen[1] > 0 && seen[2] == 0, "{seen:?}");
+    }
+
+    #[test]
+    fn top_logprobs_are_the_log_softmax_in_order() {
+        let logits: Vec<f32> = (0..1000)
+            .map(|i| ((i * 7919) % 1009) as f32 / 97.0)
+            .collect();
+        let mut s = Sampler::new(&params(|p| p.top_logprobs = 5));
+        let out = s.sample(&logits, &[], 0);
+        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let z: f64 = logits.iter().map(|&x| (x as f64 - m).exp()).sum();
+        let lsm = |i: usize| logits[i] as f64 - m - z.ln();
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|a, b| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b)));
+        assert_eq!(out.top.len(), 5);
+        for (k, &(t, lp)) in out.top.iter().enumerate() {
+            assert_eq!(t as usize, order[k]);
+            assert!((lp as f64 - lsm(order[k])).abs() < 1e-5, "{k}: {lp}");
+        }
+        assert!((out.logprob as f64 - lsm(out.token as usize)).abs() < 1e-5);
     }
 }

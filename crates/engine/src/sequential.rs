@@ -153,6 +153,7 @@ impl Sequential {
                     id: q.id,
                     token_ids: t.iter().map(|t| t.token).collect(),
                     logprobs: t.iter().map(|t| t.logprob).collect(),
+                    top_logprobs: t.iter().map(|_| Vec::new()).collect(),
                     confidences: Vec::new(),
                     probe_exits: Vec::new(),
                     depth: shape.n_layers,
@@ -206,12 +207,20 @@ impl Sequential {
                 request,
                 arrival,
                 sink,
-            } => self.queue.push_back(Queued {
-                id,
-                request,
-                arrival,
-                sink,
-            }),
+            } => match request.params.batching_only() {
+                Some(param) => {
+                    let _ = sink.send(Err(EngineError::Unsupported {
+                        param,
+                        reason: "a speculative decoder samples without it".into(),
+                    }));
+                }
+                None => self.queue.push_back(Queued {
+                    id,
+                    request,
+                    arrival,
+                    sink,
+                }),
+            },
             Command::Abort { id } => {
                 if self.running == Some(id) {
                     self.abort_running = true;
@@ -306,6 +315,7 @@ fn last_output(
         id: q.id,
         token_ids: Vec::new(),
         logprobs: Vec::new(),
+        top_logprobs: Vec::new(),
         confidences: Vec::new(),
         probe_exits: Vec::new(),
         depth: 0,

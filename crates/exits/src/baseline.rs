@@ -82,7 +82,7 @@ pub fn generate_early_exit(
     let mut decode_start = None;
     let mut stopped_by_string = false;
     loop {
-        let sampled = sampler.sample(&step.logits, &history);
+        let sampled = sampler.sample(&step.logits, &history, prompt.len());
         let next = sampled.token;
         if decode_start.is_none() {
             out.prompt_secs = t0.elapsed().as_secs_f64();

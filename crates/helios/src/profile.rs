@@ -425,14 +425,14 @@ fn decode_run(
     let mut history = prompt.to_vec();
     let t0 = Instant::now();
     let mut logits = logits_at(target, &mut kv, 0, prompt, depth)?;
-    let mut next = sampler.sample(&logits, &history).token;
+    let mut next = sampler.sample(&logits, &history, prompt.len()).token;
     let ttft = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut tokens = vec![next];
     while tokens.len() < count {
         history.push(next);
         logits = logits_at(target, &mut kv, history.len() - 1, &[next], depth)?;
-        next = sampler.sample(&logits, &history).token;
+        next = sampler.sample(&logits, &history, prompt.len()).token;
         tokens.push(next);
     }
     let secs = t1.elapsed().as_secs_f64();

@@ -189,6 +189,30 @@ impl Call {
             if p.ignore_eos {
                 o.insert("ignore_eos".into(), json!(true));
             }
+            // The rest of the sampling parameters, under their OpenAI / vLLM names, when set.
+            if p.presence_penalty != 0.0 {
+                o.insert("presence_penalty".into(), json!(p.presence_penalty));
+            }
+            if p.frequency_penalty != 0.0 {
+                o.insert("frequency_penalty".into(), json!(p.frequency_penalty));
+            }
+            if p.min_p > 0.0 {
+                o.insert("min_p".into(), json!(p.min_p));
+            }
+            if p.min_tokens > 0 {
+                o.insert("min_tokens".into(), json!(p.min_tokens));
+            }
+            if !p.logit_bias.is_empty() {
+                let bias: serde_json::Map<String, Value> = p
+                    .logit_bias
+                    .iter()
+                    .map(|(t, b)| (t.to_string(), json!(b)))
+                    .collect();
+                o.insert("logit_bias".into(), Value::Object(bias));
+            }
+            if !p.stop_token_ids.is_empty() {
+                o.insert("stop_token_ids".into(), json!(p.stop_token_ids));
+            }
         }
         body
     }
@@ -211,6 +235,7 @@ impl Call {
             id: self.id,
             token_ids: Vec::new(),
             logprobs: Vec::new(),
+            top_logprobs: Vec::new(),
             confidences: Vec::new(),
             probe_exits: Vec::new(),
             depth: self.target.n_layers,
@@ -321,6 +346,7 @@ impl Call {
             id: self.id,
             confidences: logprobs.iter().map(|l| l.exp()).collect(),
             probe_exits: vec![None; logprobs.len()],
+            top_logprobs: vec![Vec::new(); logprobs.len()],
             token_ids,
             logprobs,
             depth: self.target.n_layers,

@@ -899,7 +899,7 @@ mod tests {
             let mut engine = Sampler::new(&params);
             let mut counts = vec![0usize; logits.len()];
             for _ in 0..n {
-                counts[engine.sample(&logits, &history).token as usize] += 1;
+                counts[engine.sample(&logits, &history, 0).token as usize] += 1;
             }
             // Same support exactly: the cut-offs agree.
             for (i, (&c, &p)) in counts.iter().zip(probs).enumerate() {
@@ -918,7 +918,7 @@ mod tests {
             repetition_penalty: 1.5,
             ..SamplingParams::greedy(1)
         };
-        let want = Sampler::new(&greedy).sample(&logits, &history).token;
+        let want = Sampler::new(&greedy).sample(&logits, &history, 0).token;
         assert_eq!(
             SpecSampler::new(&greedy).dist(&logits, &history),
             Dist::Point(want)

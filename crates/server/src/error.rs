@@ -161,6 +161,7 @@ impl From<switchyard_engine::EngineError> for ApiError {
                 ApiError::ContextLength(e.to_string())
             }
             E::Request(r) => ApiError::invalid("sampling", r.to_string()),
+            E::Unsupported { param, .. } => ApiError::unsupported(param, e.to_string()),
             E::EngineStopped => ApiError::ShuttingDown,
             E::EngineFailed { .. } => ApiError::EngineDown(e.to_string()),
             other => ApiError::Internal(other.to_string()),

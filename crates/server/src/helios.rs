@@ -132,13 +132,26 @@ impl HeliosModel {
         })
     }
 
-    /// The orchestrator's request; token-id prompts and log-probabilities are refused (the
-    /// serving model, hence the vocabulary, is chosen later).
+    /// The orchestrator's request. Whatever names token ids (token-id prompts,
+    /// log-probabilities, `logit_bias`, `stop_token_ids`) is refused: the serving model, hence
+    /// the vocabulary, is chosen later. So is `n` > 1: its choices could be served by
+    /// different candidates.
     pub fn prepare(&self, req: &ValidRequest) -> Result<HeliosRequest, ApiError> {
+        const NO_VOCABULARY: &str =
+            "the HELIOS model picks the serving model per request; its tokens have no fixed vocabulary";
         if req.logprobs {
+            return Err(ApiError::unsupported("logprobs", NO_VOCABULARY));
+        }
+        if !req.params.logit_bias.is_empty() {
+            return Err(ApiError::unsupported("logit_bias", NO_VOCABULARY));
+        }
+        if !req.params.stop_token_ids.is_empty() {
+            return Err(ApiError::unsupported("stop_token_ids", NO_VOCABULARY));
+        }
+        if req.n > 1 {
             return Err(ApiError::unsupported(
-                "logprobs",
-                "the HELIOS model picks the serving model per request; its tokens have no fixed vocabulary",
+                "n",
+                "the HELIOS model serves one choice per request (choices could land on different models)",
             ));
         }
         let prompt = match &req.prompt {

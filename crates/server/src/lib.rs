@@ -63,7 +63,9 @@ pub fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route("/v1/completions", post(routes::completions))
         .route("/v1/chat/completions", post(routes::chat))
-        .route("/v1/models", get(routes::models));
+        .route("/v1/models", get(routes::models))
+        .route("/tokenize", post(routes::tokenize))
+        .route("/detokenize", post(routes::detokenize));
     let mut protected = v1;
     if state.config.admin {
         protected = protected

@@ -119,17 +119,7 @@ impl LocalModel {
                 }
                 ids.clone()
             }
-            Prompt::Chat(messages) => {
-                let text = tok
-                    .apply_chat_template(messages, true)
-                    .map_err(|e| ApiError::unsupported("messages", e.to_string()))?;
-                let has_bos = tok
-                    .bos_id()
-                    .and_then(|b| tok.id_to_piece(b))
-                    .is_some_and(|b| text.starts_with(&b));
-                tok.encode(&text, !has_bos, true)
-                    .map_err(|e| ApiError::invalid("messages", e.to_string()))?
-            }
+            Prompt::Chat(messages) => self.encode_chat(messages, true)?,
         };
         if prompt.is_empty() {
             return Err(ApiError::ContextLength("the prompt is empty".into()));
@@ -154,7 +144,50 @@ impl LocalModel {
         };
         let mut params = req.params.clone();
         params.max_tokens = max_tokens;
+        if params.min_tokens > max_tokens {
+            return Err(ApiError::ContextLength(format!(
+                "`min_tokens` ({}) does not fit: the context leaves room for {max_tokens} output tokens",
+                params.min_tokens
+            )));
+        }
+        let vocab = self.info.vocab_size;
+        if let Some(t) = params
+            .logit_bias
+            .iter()
+            .map(|b| b.0)
+            .find(|&t| t as usize >= vocab)
+        {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!("token id {t} is outside the vocabulary of {vocab}"),
+            ));
+        }
+        if let Some(&t) = params.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::invalid(
+                "stop_token_ids",
+                format!("token id {t} is outside the vocabulary of {vocab}"),
+            ));
+        }
         Ok(EngineRequest { prompt, params })
+    }
+
+    /// A conversation through the model's chat template, as token ids (a template that writes
+    /// the BOS token itself does not get a second one).
+    pub fn encode_chat(
+        &self,
+        messages: &[switchyard_tokenizer::ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, ApiError> {
+        let tok = &self.info.tokenizer;
+        let text = tok
+            .apply_chat_template(messages, add_generation_prompt)
+            .map_err(|e| ApiError::unsupported("messages", e.to_string()))?;
+        let has_bos = tok
+            .bos_id()
+            .and_then(|b| tok.id_to_piece(b))
+            .is_some_and(|b| text.starts_with(&b));
+        tok.encode(&text, !has_bos, true)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))
     }
 
     /// [`LocalModel::prepare`] on the blocking pool (see [`on_blocking_pool`]). The request

@@ -336,7 +336,15 @@ impl ModeSwitchModel {
             workload,
         };
         let t0 = Instant::now();
-        let decision: Decision = self.router.route_among(&features, self.offered);
+        // Parameters only the batching sampler implements rule the speculative modes out.
+        let offered = if req.params.batching_only().is_some() {
+            self.offered
+                .without(Mode::Speculative)
+                .without(Mode::SelfSpeculative)
+        } else {
+            self.offered
+        };
+        let decision: Decision = self.router.route_among(&features, offered);
         let decision_us = t0.elapsed().as_secs_f64() * 1e6;
         let (model, fallback_reason) = match self.engine(decision.mode).await {
             Ok(m) => (m, None),

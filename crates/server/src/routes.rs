@@ -18,13 +18,13 @@ use switchyard_engine::{EngineRequest, EngineStatus, RequestOutput, RequestStrea
 use crate::api::{
     now_secs, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs, ChatMessageOut,
     ChatResponse, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
-    ModelCard, ModelList, Usage,
+    ModelCard, ModelList, PromptTokensDetails, Usage,
 };
 use crate::error::ApiError;
 use crate::helios::{HeliosAdmission, HeliosModel};
-use crate::local::{finish_str, Admission, Finished, LocalModel};
+use crate::local::{finish_str, on_blocking_pool, Admission, Finished, LocalModel};
 use crate::state::{AppState, Served};
-use crate::validate::{self, Endpoint, ValidRequest};
+use crate::validate::{self, Endpoint, Prompt, ValidRequest};
 
 pub async fn completions(
     State(state): State<Arc<AppState>>,
@@ -205,19 +205,109 @@ async fn serve_local(
     engine_req: EngineRequest,
     admission: Admission,
 ) -> Result<Response, ApiError> {
-    let stream = m.handle.add_request(engine_req)?;
+    let choices = Choices::start(&m, engine_req, req.n)?;
     let timeout = Duration::from_secs(state.config.request_timeout_s);
     if req.stream {
         Ok(stream_response(
             state.clone(),
             m,
             req,
-            stream,
+            choices,
             admission,
             timeout,
         ))
     } else {
-        full_response(state, &m, &req, stream, admission, timeout).await
+        full_response(state, &m, &req, choices, admission, timeout).await
+    }
+}
+
+/// The outputs of a request's `n` choices from one engine, tagged with their index, in one
+/// bounded channel (a client that stops reading still holds the engine back).
+///
+/// Choice 0 is sent first; the others once its first output is in, so that its prompt's
+/// blocks are in the prefix cache and they compute only the prompt's last partial block.
+/// Dropping this aborts every choice still running.
+struct Choices {
+    id: switchyard_engine::RequestId,
+    n: usize,
+    rx: tokio::sync::mpsc::Receiver<(usize, Result<RequestOutput, ApiError>)>,
+    _launcher: AbortOnDrop,
+}
+
+/// Aborts a task (and so drops the request streams it holds) when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl Choices {
+    fn start(model: &LocalModel, req: EngineRequest, n: usize) -> Result<Self, ApiError> {
+        let first = model.handle.add_request(choice_request(&req, 0))?;
+        let id = first.id();
+        let (tx, rx) = tokio::sync::mpsc::channel(STREAM_BUFFER);
+        let handle = model.handle.clone();
+        let launcher = tokio::spawn(async move {
+            let mut rest = tokio::task::JoinSet::new();
+            let mut started = n == 1;
+            let mut stream = first;
+            while let Some(o) = stream.next().await {
+                let ok = o.is_ok();
+                if tx.send((0, o.map_err(ApiError::from))).await.is_err() {
+                    return;
+                }
+                if ok && !started {
+                    started = true;
+                    for i in 1..n {
+                        let tx = tx.clone();
+                        match handle.add_request(choice_request(&req, i)) {
+                            Ok(s) => {
+                                rest.spawn(forward(i, s, tx));
+                            }
+                            Err(e) => {
+                                let _ = tx.send((i, Err(ApiError::from(e)))).await;
+                                return;
+                            }
+                        }
+                    }
+                }
+            }
+            drop(tx);
+            while rest.join_next().await.is_some() {}
+        });
+        Ok(Self {
+            id,
+            n,
+            rx,
+            _launcher: AbortOnDrop(launcher),
+        })
+    }
+
+    /// The next output of any choice; `None` once every sender is gone.
+    async fn next(&mut self) -> Option<(usize, Result<RequestOutput, ApiError>)> {
+        self.rx.recv().await
+    }
+}
+
+/// Choice `i` of a request: its own seed (`seed + i`), so that a seeded request's choices
+/// differ from each other and are reproducible.
+fn choice_request(req: &EngineRequest, i: usize) -> EngineRequest {
+    let mut r = req.clone();
+    r.params.seed = r.params.seed.map(|s| s.wrapping_add(i as u64));
+    r
+}
+
+async fn forward(
+    i: usize,
+    mut stream: RequestStream,
+    tx: tokio::sync::mpsc::Sender<(usize, Result<RequestOutput, ApiError>)>,
+) {
+    while let Some(o) = stream.next().await {
+        if tx.send((i, o.map_err(ApiError::from))).await.is_err() {
+            return;
+        }
     }
 }
 
@@ -260,7 +350,14 @@ async fn helios_response(
         finished.cached_tokens,
     );
     let id = format!("{}-h{}", prefix(req.endpoint), last.id);
-    let mut resp = one_choice_response(req, id, text, finish, usage, None, None);
+    let text = format!("{}{text}", echo_text(req, None));
+    let choice = ChoiceOut {
+        text,
+        finish,
+        completion_logprobs: None,
+        chat_logprobs: None,
+    };
+    let mut resp = choices_response(req, id, vec![choice], usage);
     if let Ok(v) = header::HeaderValue::from_str(&served_by) {
         resp.headers_mut().insert("x-switchyard-served-by", v);
     }
@@ -287,15 +384,20 @@ async fn within_timeout(
     }
 }
 
-/// A complete (non-streamed) response with one choice, in the endpoint's shape.
-fn one_choice_response(
-    req: &ValidRequest,
-    id: String,
+/// One finished choice of a complete response.
+struct ChoiceOut {
     text: String,
     finish: Option<String>,
-    usage: Usage,
     completion_logprobs: Option<CompletionLogprobs>,
     chat_logprobs: Option<ChatLogprobs>,
+}
+
+/// A complete (non-streamed) response, in the endpoint's shape.
+fn choices_response(
+    req: &ValidRequest,
+    id: String,
+    choices: Vec<ChoiceOut>,
+    usage: Usage,
 ) -> Response {
     let created = now_secs();
     match req.endpoint {
@@ -304,12 +406,16 @@ fn one_choice_response(
             object: "text_completion".into(),
             created,
             model: req.model.clone(),
-            choices: vec![CompletionChoice {
-                index: 0,
-                text,
-                logprobs: completion_logprobs,
-                finish_reason: finish,
-            }],
+            choices: choices
+                .into_iter()
+                .enumerate()
+                .map(|(index, c)| CompletionChoice {
+                    index,
+                    text: c.text,
+                    logprobs: c.completion_logprobs,
+                    finish_reason: c.finish,
+                })
+                .collect(),
             usage: Some(usage),
         })
         .into_response(),
@@ -318,18 +424,35 @@ fn one_choice_response(
             object: "chat.completion".into(),
             created,
             model: req.model.clone(),
-            choices: vec![ChatChoice {
-                index: 0,
-                message: ChatMessageOut {
-                    role: "assistant".into(),
-                    content: text,
-                },
-                logprobs: chat_logprobs,
-                finish_reason: finish,
-            }],
+            choices: choices
+                .into_iter()
+                .enumerate()
+                .map(|(index, c)| ChatChoice {
+                    index,
+                    message: ChatMessageOut {
+                        role: "assistant".into(),
+                        content: c.text,
+                    },
+                    logprobs: c.chat_logprobs,
+                    finish_reason: c.finish,
+                })
+                .collect(),
             usage,
         })
         .into_response(),
+    }
+}
+
+/// Completions' `echo`: the prompt's text (token-id prompts decoded by `model`); empty
+/// without `echo`.
+fn echo_text(req: &ValidRequest, model: Option<&LocalModel>) -> String {
+    if !req.echo {
+        return String::new();
+    }
+    match (&req.prompt, model) {
+        (Prompt::Text(t), _) => t.clone(),
+        (Prompt::Tokens(ids), Some(m)) => m.info.tokenizer.decode(ids, false).unwrap_or_default(),
+        _ => String::new(),
     }
 }
 
@@ -350,59 +473,107 @@ fn record(state: &AppState, model: &str, f: &Finished) {
     m.e2e.with_label_values(&[model]).observe(f.e2e_s);
 }
 
-/// Collects the whole answer, then responds once.
+/// Collects every choice's whole answer, then responds once.
 async fn full_response(
     state: &Arc<AppState>,
     model: &Arc<LocalModel>,
     req: &ValidRequest,
-    mut stream: RequestStream,
+    mut choices: Choices,
     _admission: Admission,
     timeout: Duration,
 ) -> Result<Response, ApiError> {
-    let id = format!("{}-{}", prefix(req.endpoint), stream.id());
-    let mut outputs: Vec<RequestOutput> = Vec::new();
+    let id = format!("{}-{}", prefix(req.endpoint), choices.id);
+    let n = choices.n;
+    let mut outputs: Vec<Vec<RequestOutput>> = vec![Vec::new(); n];
     let collect = async {
-        while let Some(o) = stream.next().await {
-            let o = o.map_err(ApiError::from)?;
+        let mut open = n;
+        while let Some((i, o)) = choices.next().await {
+            let o = o?;
             let last = o.finish_reason.is_some();
-            outputs.push(o);
+            if let Some(list) = outputs.get_mut(i) {
+                list.push(o);
+            }
             if last {
-                return Ok(());
+                open -= 1;
+                if open == 0 {
+                    return Ok(());
+                }
             }
         }
         Err(ApiError::ShuttingDown)
     };
     within_timeout(state, &model.name, timeout, collect).await?;
-    let last = outputs
-        .last()
-        .ok_or_else(|| ApiError::Internal("the engine returned no output".into()))?;
-    let finished = Finished::from_output(last);
-    record(state, &model.name, &finished);
-    let finish = last.finish_reason.map(finish_str).map(str::to_string);
-    let text: String = outputs.iter().map(|o| o.text.as_str()).collect();
-    let ids: Vec<u32> = outputs
-        .iter()
-        .flat_map(|o| o.token_ids.iter().copied())
-        .collect();
-    let lps: Vec<f32> = outputs
-        .iter()
-        .flat_map(|o| o.logprobs.iter().copied())
-        .collect();
-    let usage = Usage::new(
-        finished.prompt_tokens,
-        finished.output_tokens,
-        finished.cached_tokens,
-    );
-    let (completion_lp, chat_lp) = match (req.logprobs, req.endpoint) {
-        (false, _) => (None, None),
-        (true, Endpoint::Completions) => (
-            Some(completion_logprobs(model, &ids, &lps, 0, req.tokens_as_ids)),
-            None,
-        ),
-        (true, Endpoint::Chat) => (None, Some(chat_logprobs(model, &ids, &lps))),
-    };
-    let resp = one_choice_response(req, id, text, finish, usage, completion_lp, chat_lp);
-    Ok(resp)
+    let echo = echo_text(req, Some(model));
+    let mut usage = Usage::new(0, 0, 0);
+    let mut out = Vec::with_capacity(n);
+    for (i, outputs) in outputs.iter().enumerate() {
+        let last = outputs
+            .last()
+            .ok_or_else(|| ApiError::Internal("the engine returned no output".into()))?;
+        let finished = Finished::from_output(last);
+        record(state, &model.name, &finished);
+        if i == 0 {
+            usage = Usage::new(finished.prompt_tokens, 0, finished.cached_tokens);
+        }
+        usage.completion_tokens += finished.output_tokens;
+        usage.total_tokens += finished.output_tokens;
+        let text: String = outputs.iter().map(|o| o.text.as_str()).collect();
+        let tokens = Tokens::gather(outputs);
+        let (completion_logprobs, chat_logprobs) = match (req.logprobs, req.endpoint) {
+            (false, _) => (None, None),
+            (true, Endpoint::Completions) => (
+                Some(completion_logprobs(
+                    model,
+                    &tokens,
+                    echo.len(),
+                    req.tokens_as_ids,
+                )),
+                None,
+            ),
+            (true, Endpoint::Chat) => (None, Some(chat_logprobs(model, &tokens))),
+        };
+        out.push(ChoiceOut {
+            text: format!("{echo}{text}"),
+            finish: last.finish_reason.map(finish_str).map(str::to_string),
+            completion_logprobs,
+            chat_logprobs,
+        });
+    }
+    Ok(choices_response(req, id, out, usage))
+}
+
+/// Sampled tokens with their log-probabilities and alternatives.
+struct Tokens<'a> {
+    ids: Vec<u32>,
+    logprobs: Vec<f32>,
+    top: Vec<&'a [(u32, f32)]>,
+}
+
+impl<'a> Tokens<'a> {
+    fn gather(outputs: &'a [RequestOutput]) -> Self {
+        let mut t = Tokens {
+            ids: Vec::new(),
+            logprobs: Vec::new(),
+            top: Vec::new(),
+        };
+        for o in outputs {
+            t.extend(o);
+        }
+        t
+    }
+
+    fn of(o: &'a RequestOutput) -> Self {
+        Self::gather(std::slice::from_ref(o))
+    }
+
+    fn extend(&mut self, o: &'a RequestOutput) {
+        self.ids.extend_from_slice(&o.token_ids);
+        self.logprobs.extend_from_slice(&o.logprobs);
+        for i in 0..o.token_ids.len() {
+            self.top
+                .push(o.top_logprobs.get(i).map_or(&[][..], Vec::as_slice));
+        }
+    }
 }
 
 /// `cmpl-`/`chatcmpl-` plus a per-process tag, so ids stay unique across restarts.
@@ -420,45 +591,70 @@ fn prefix(e: Endpoint) -> String {
     }
 }
 
+/// Legacy completions log-probabilities: each sampled token, its log-probability, and a map
+/// of it and its alternatives (`logprobs: k`) to theirs. Offsets count from `offset` bytes.
 fn completion_logprobs(
     model: &LocalModel,
-    ids: &[u32],
-    lps: &[f32],
+    tokens: &Tokens,
     offset: usize,
     tokens_as_ids: bool,
 ) -> CompletionLogprobs {
-    let mut out = CompletionLogprobs::default();
-    let mut at = offset;
-    for (&id, &lp) in ids.iter().zip(lps) {
-        let piece = model.piece(id);
-        let name = if tokens_as_ids {
+    let name = |id: u32, piece: &str| {
+        if tokens_as_ids {
             format!("token_id:{id}")
         } else {
-            piece.clone()
-        };
+            piece.to_string()
+        }
+    };
+    let mut out = CompletionLogprobs::default();
+    let mut at = offset;
+    for ((&id, &lp), alts) in tokens.ids.iter().zip(&tokens.logprobs).zip(&tokens.top) {
+        let piece = model.piece(id);
         let mut top = serde_json::Map::new();
-        top.insert(name.clone(), json!(lp));
+        top.insert(name(id, &piece), f32_json(lp));
+        for &(alt, alp) in alts.iter() {
+            top.entry(name(alt, &model.piece(alt)))
+                .or_insert_with(|| f32_json(alp));
+        }
         out.text_offset.push(at);
         at += piece.len();
-        out.tokens.push(name);
+        out.tokens.push(name(id, &piece));
         out.token_logprobs.push(lp);
         out.top_logprobs.push(top);
     }
     out
 }
 
-fn chat_logprobs(model: &LocalModel, ids: &[u32], lps: &[f32]) -> ChatLogprobs {
+/// An f32 as JSON with the digits serde writes for a plain f32 field (−1.7074178, not the
+/// f64 widening −1.7074178457260132), so that a value listed twice reads the same.
+fn f32_json(x: f32) -> Value {
+    x.to_string()
+        .parse::<f64>()
+        .ok()
+        .and_then(serde_json::Number::from_f64)
+        .map_or(Value::Null, Value::Number)
+}
+
+fn chat_logprobs(model: &LocalModel, tokens: &Tokens) -> ChatLogprobs {
     ChatLogprobs {
-        content: ids
+        content: tokens
+            .ids
             .iter()
-            .zip(lps)
-            .map(|(&id, &lp)| {
+            .zip(&tokens.logprobs)
+            .zip(&tokens.top)
+            .map(|((&id, &lp), alts)| {
                 let token = model.piece(id);
                 ChatTokenLogprob {
                     bytes: token.as_bytes().to_vec(),
                     token,
                     logprob: lp,
-                    top_logprobs: Vec::new(),
+                    top_logprobs: alts
+                        .iter()
+                        .map(|&(alt, alp)| {
+                            let piece = model.piece(alt);
+                            json!({"token": piece, "logprob": f32_json(alp), "bytes": piece.as_bytes()})
+                        })
+                        .collect(),
                 }
             })
             .collect(),
@@ -470,7 +666,7 @@ fn chat_logprobs(model: &LocalModel, ids: &[u32], lps: &[f32]) -> ChatLogprobs {
 enum Upstream {
     Engine {
         model: Arc<LocalModel>,
-        stream: RequestStream,
+        choices: Choices,
         _admission: Admission,
     },
     Helios {
@@ -480,16 +676,18 @@ enum Upstream {
 }
 
 impl Upstream {
-    async fn next(&mut self) -> Option<Result<RequestOutput, ApiError>> {
+    /// The next output and the index of its choice.
+    async fn next(&mut self) -> Option<(usize, Result<RequestOutput, ApiError>)> {
         match self {
-            Upstream::Engine { stream, .. } => Some(stream.next().await?.map_err(ApiError::from)),
-            Upstream::Helios { stream, .. } => Some(
+            Upstream::Engine { choices, .. } => choices.next().await,
+            Upstream::Helios { stream, .. } => Some((
+                0,
                 stream
                     .next()
                     .await?
                     .map(|o| o.output)
                     .map_err(helios_api_error),
-            ),
+            )),
         }
     }
 
@@ -527,9 +725,16 @@ struct StreamState {
     deadline: tokio::time::Instant,
     id: String,
     created: u64,
-    sent_role: bool,
-    /// Text bytes sent so far (completion log-probability offsets).
-    offset: usize,
+    /// Per choice: whether its first chunk (role, echoed prompt) went out.
+    started: Vec<bool>,
+    /// Per choice: text bytes sent so far (completion log-probability offsets).
+    offset: Vec<usize>,
+    /// Choices not finished yet.
+    open: usize,
+    /// Prompt tokens, cached prompt tokens and output tokens of the finished choices.
+    usage: Usage,
+    /// The echoed prompt (completions' `echo`), sent in each choice's first chunk.
+    echo: String,
     /// Events left to send after the last token: usage, [DONE].
     tail: Vec<Event>,
     finished: bool,
@@ -558,6 +763,8 @@ impl StreamState {
         id: String,
         deadline: tokio::time::Instant,
     ) -> Self {
+        let n = req.n;
+        let echo = echo_text(&req, upstream.local());
         Self {
             state,
             name,
@@ -567,8 +774,11 @@ impl StreamState {
             deadline,
             id,
             created: now_secs(),
-            sent_role: false,
-            offset: 0,
+            started: vec![false; n],
+            offset: vec![0; n],
+            open: n,
+            usage: Usage::new(0, 0, 0),
+            echo,
             tail: Vec::new(),
             finished: false,
             abort_reason: "client_disconnect",
@@ -604,15 +814,15 @@ fn stream_response(
     state: Arc<AppState>,
     model: Arc<LocalModel>,
     req: ValidRequest,
-    stream: RequestStream,
+    choices: Choices,
     admission: Admission,
     timeout: Duration,
 ) -> Response {
-    let id = format!("{}-{}", prefix(req.endpoint), stream.id());
+    let id = format!("{}-{}", prefix(req.endpoint), choices.id);
     let name = model.name.clone();
     let upstream = Upstream::Engine {
         model,
-        stream,
+        choices,
         _admission: admission,
     };
     let deadline = tokio::time::Instant::now() + timeout;
@@ -673,12 +883,12 @@ impl StreamState {
             return None;
         }
         let next = match self.pending.take() {
-            Some(o) => Ok(Some(Ok(o))),
+            Some(o) => Ok(Some((0, Ok(o)))),
             None => tokio::time::timeout_at(self.deadline, self.upstream.next()).await,
         };
-        let out = match next {
-            Ok(Some(Ok(o))) => o,
-            Ok(Some(Err(e))) => return Some(self.end_with(&e)),
+        let (index, out) = match next {
+            Ok(Some((i, Ok(o)))) => (i, o),
+            Ok(Some((_, Err(e)))) => return Some(self.end_with(&e)),
             Ok(None) => return Some(self.end_with(&ApiError::ShuttingDown)),
             Err(_) => {
                 self.state
@@ -690,20 +900,28 @@ impl StreamState {
                 return Some(self.end_with(&e));
             }
         };
-        let event = chunk(self, &out);
+        let event = chunk(self, index, &out);
         if out.finish_reason.is_some() {
-            self.finished = true;
             let finished = Finished::from_output(&out);
             record(&self.state, &self.name, &finished);
+            if index == 0 {
+                self.usage.prompt_tokens = finished.prompt_tokens;
+                self.usage.total_tokens += finished.prompt_tokens;
+                self.usage.prompt_tokens_details = Some(PromptTokensDetails {
+                    cached_tokens: finished.cached_tokens,
+                });
+            }
+            self.usage.completion_tokens += finished.output_tokens;
+            self.usage.total_tokens += finished.output_tokens;
+            self.open = self.open.saturating_sub(1);
+        }
+        if self.open == 0 {
+            self.finished = true;
             // Sent in reverse order of pushing: usage (if asked), then [DONE].
             self.tail.push(Event::default().data("[DONE]"));
             if self.req.include_usage {
-                let usage = Usage::new(
-                    finished.prompt_tokens,
-                    finished.output_tokens,
-                    finished.cached_tokens,
-                );
-                self.tail.push(json_event(&usage_chunk(self, usage)));
+                self.tail
+                    .push(json_event(&usage_chunk(self, self.usage.clone())));
             }
         }
         Some(event)
@@ -741,28 +959,33 @@ fn usage_chunk(st: &StreamState, usage: Usage) -> Value {
     })
 }
 
-fn chunk(st: &mut StreamState, o: &RequestOutput) -> Event {
+fn chunk(st: &mut StreamState, index: usize, o: &RequestOutput) -> Event {
     let finish = o.finish_reason.map(finish_str).map(str::to_string);
+    let first = !st.started.get(index).copied().unwrap_or(true);
+    if let Some(s) = st.started.get_mut(index) {
+        *s = true;
+    }
+    let tokens = Tokens::of(o);
     match st.req.endpoint {
         Endpoint::Completions => {
-            let logprobs = st.upstream.local().filter(|_| st.req.logprobs).map(|m| {
-                completion_logprobs(
-                    m,
-                    &o.token_ids,
-                    &o.logprobs,
-                    st.offset,
-                    st.req.tokens_as_ids,
-                )
-            });
-            st.offset += o.text.len();
+            let echo = if first { st.echo.as_str() } else { "" };
+            let offset = st.offset.get(index).copied().unwrap_or(0) + echo.len();
+            let logprobs = st
+                .upstream
+                .local()
+                .filter(|_| st.req.logprobs)
+                .map(|m| completion_logprobs(m, &tokens, offset, st.req.tokens_as_ids));
+            if let Some(at) = st.offset.get_mut(index) {
+                *at += echo.len() + o.text.len();
+            }
             json_event(&CompletionResponse {
                 id: st.id.clone(),
                 object: "text_completion".into(),
                 created: st.created,
                 model: st.req.model.clone(),
                 choices: vec![CompletionChoice {
-                    index: 0,
-                    text: o.text.clone(),
+                    index,
+                    text: format!("{echo}{}", o.text),
                     logprobs,
                     finish_reason: finish,
                 }],
@@ -770,15 +993,14 @@ fn chunk(st: &mut StreamState, o: &RequestOutput) -> Event {
             })
         }
         Endpoint::Chat => {
-            let role = (!st.sent_role).then(|| "assistant".to_string());
-            st.sent_role = true;
+            let role = first.then(|| "assistant".to_string());
             json_event(&ChatChunk {
                 id: st.id.clone(),
                 object: "chat.completion.chunk".into(),
                 created: st.created,
                 model: st.req.model.clone(),
                 choices: vec![ChatChunkChoice {
-                    index: 0,
+                    index,
                     delta: ChatDelta {
                         role,
                         content: Some(o.text.clone()),
@@ -787,12 +1009,132 @@ fn chunk(st: &mut StreamState, o: &RequestOutput) -> Event {
                         .upstream
                         .local()
                         .filter(|_| st.req.logprobs)
-                        .map(|m| chat_logprobs(m, &o.token_ids, &o.logprobs)),
+                        .map(|m| chat_logprobs(m, &tokens)),
                     finish_reason: finish,
                 }],
                 usage: None,
             })
         }
+    }
+}
+
+/// vLLM's `/tokenize`: `{"model", "prompt", "add_special_tokens"?}` or `{"model", "messages",
+/// "add_generation_prompt"?}` → `{"count", "max_model_len", "tokens"}`.
+pub async fn tokenize(State(state): State<Arc<AppState>>, body: Body) -> Response {
+    let result: Result<Value, ApiError> = async {
+        let (v, m) = tokenizer_request(&state, body).await?;
+        let flag = |key: &str, default: bool| match v.get(key) {
+            None | Some(Value::Null) => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(_) => Err(ApiError::invalid(key, format!("`{key}` must be a boolean"))),
+        };
+        let tokens = match (v.get("prompt"), v.get("messages")) {
+            (Some(Value::String(text)), None) => {
+                let special = flag("add_special_tokens", true)?;
+                let text = text.clone();
+                let m = Arc::clone(&m);
+                on_blocking_pool(&state.tokenizing, move || {
+                    m.info
+                        .tokenizer
+                        .encode(&text, special, true)
+                        .map_err(|e| ApiError::invalid("prompt", e.to_string()))
+                })
+                .await??
+            }
+            (None, Some(_)) => {
+                let messages = validate::messages(v.get("messages"))?;
+                let generation = flag("add_generation_prompt", true)?;
+                let m = Arc::clone(&m);
+                on_blocking_pool(&state.tokenizing, move || {
+                    m.encode_chat(&messages, generation)
+                })
+                .await??
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    "send either `prompt` (a string) or `messages`",
+                ))
+            }
+        };
+        Ok(json!({
+            "count": tokens.len(),
+            "max_model_len": m.info.context_length,
+            "tokens": tokens,
+        }))
+    }
+    .await;
+    match result {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// vLLM's `/detokenize`: `{"model", "tokens"}` → `{"prompt"}`.
+pub async fn detokenize(State(state): State<Arc<AppState>>, body: Body) -> Response {
+    let result: Result<Value, ApiError> = async {
+        let (v, m) = tokenizer_request(&state, body).await?;
+        let ids: Vec<u32> = match v.get("tokens") {
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|x| x.as_u64().and_then(|i| u32::try_from(i).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| {
+                    ApiError::invalid("tokens", "`tokens` must be an array of token ids")
+                })?,
+            _ => {
+                return Err(ApiError::invalid(
+                    "tokens",
+                    "`tokens` is required: an array of token ids",
+                ))
+            }
+        };
+        let vocab = m.info.vocab_size;
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(ApiError::invalid(
+                "tokens",
+                format!("token id {bad} is outside the vocabulary of {vocab}"),
+            ));
+        }
+        let text = m
+            .info
+            .tokenizer
+            .decode(&ids, false)
+            .map_err(|e| ApiError::invalid("tokens", e.to_string()))?;
+        Ok(json!({ "prompt": text }))
+    }
+    .await;
+    match result {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The body of a tokenizer request and the local model whose tokenizer it names (a
+/// ModeSwitch model's modes share their base model's).
+async fn tokenizer_request(
+    state: &AppState,
+    body: Body,
+) -> Result<(Value, Arc<LocalModel>), ApiError> {
+    let bytes = read_body(state, body).await?;
+    let v: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::Malformed(format!("the request body is not valid JSON: {e}")))?;
+    let name = v
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::invalid("model", "`model` is required and must be a string"))?;
+    match state.models.get(name) {
+        Some(Served::Local(m)) => Ok((v.clone(), Arc::clone(m))),
+        Some(Served::Modes(ms)) => Ok((v.clone(), Arc::clone(&ms.base))),
+        Some(Served::Helios(_)) => Err(ApiError::unsupported(
+            "model",
+            "the HELIOS model picks the serving model per request; it has no one tokenizer",
+        )),
+        Some(Served::Remote(_)) => Err(ApiError::unsupported(
+            "model",
+            "a remote backend's tokenizer is not known here; ask the backend",
+        )),
+        None => Err(ApiError::UnknownModel(name.to_string())),
     }
 }
 

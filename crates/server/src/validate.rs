@@ -3,7 +3,8 @@
 
 use serde_json::{Map, Value};
 use switchyard_request::{
-    SamplingParams, MAX_REPETITION_PENALTY, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES,
+    SamplingParams, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_OPENAI_PENALTY,
+    MAX_REPETITION_PENALTY, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS,
     MIN_REPETITION_PENALTY,
 };
 use switchyard_tokenizer::ChatMessage;
@@ -14,9 +15,11 @@ use crate::error::ApiError;
 pub const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
 /// OpenAI's temperature range.
 pub const MAX_TEMPERATURE: f64 = 2.0;
-/// Most log-probability alternatives a client may ask for (OpenAI's limits).
-pub const MAX_LOGPROBS: u64 = 5;
-pub const MAX_TOP_LOGPROBS: u64 = 20;
+/// Most log-probability alternatives a client may ask for (vLLM's limit on both endpoints;
+/// OpenAI's legacy completions stop at 5).
+pub const MAX_LOGPROBS: u64 = switchyard_request::MAX_TOP_LOGPROBS as u64;
+/// Most choices per request.
+pub const MAX_N: u64 = 16;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
@@ -58,7 +61,12 @@ pub struct ValidRequest {
     pub max_tokens: Option<usize>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Log-probabilities are returned (their alternatives: `params.top_logprobs`).
     pub logprobs: bool,
+    /// Choices to generate from the one prompt (`n`).
+    pub n: usize,
+    /// Completions' `echo`: the prompt's text comes back before the completion.
+    pub echo: bool,
     /// vLLM's `return_tokens_as_token_ids`: log-probability listings name each token as
     /// `token_id:<id>` instead of its text, so a client can recover the exact ids.
     pub tokens_as_ids: bool,
@@ -82,44 +90,52 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
         Endpoint::Completions => completion_prompt(obj.get("prompt"))?,
         Endpoint::Chat => Prompt::Chat(messages(obj.get("messages"))?),
     };
-    if let Some(n) = f.uint("n")? {
-        if n != 1 {
-            return Err(ApiError::unsupported(
-                "n",
-                format!("`n` = {n}: only one choice per request is supported"),
-            ));
-        }
+    let n = f.uint("n")?.unwrap_or(1);
+    if !(1..=MAX_N).contains(&n) {
+        return Err(ApiError::invalid(
+            "n",
+            format!("`n` must be between 1 and {MAX_N}, got {n}"),
+        ));
     }
     if let Some(b) = f.uint("best_of")? {
-        if b != 1 {
-            return Err(ApiError::unsupported("best_of", "`best_of` must be 1"));
-        }
-    }
-    for key in ["presence_penalty", "frequency_penalty"] {
-        if let Some(v) = f.number(key)? {
-            if v != 0.0 {
-                return Err(ApiError::unsupported(
-                    key,
-                    format!("`{key}` is not supported; use `repetition_penalty`"),
-                ));
-            }
-        }
-    }
-    for key in ["echo"] {
-        if f.bool(key)? == Some(true) {
+        if b != n {
             return Err(ApiError::unsupported(
-                key,
-                format!("`{key}` is not supported"),
+                "best_of",
+                format!(
+                    "`best_of` must equal `n` ({n}): ranking extra candidates is not supported"
+                ),
             ));
         }
     }
-    for key in [
-        "suffix",
-        "tools",
-        "functions",
-        "response_format",
-        "logit_bias",
-    ] {
+    let presence_penalty = openai_penalty(&f, "presence_penalty")?;
+    let frequency_penalty = openai_penalty(&f, "frequency_penalty")?;
+    let echo = f.bool("echo")?.unwrap_or(false);
+    if echo && endpoint == Endpoint::Chat {
+        return Err(ApiError::invalid(
+            "echo",
+            "`echo` applies to /v1/completions only",
+        ));
+    }
+    let logit_bias = logit_bias(obj.get("logit_bias"))?;
+    let min_p = f.number("min_p")?.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::invalid(
+            "min_p",
+            format!("`min_p` must be between 0 and 1, got {min_p}"),
+        ));
+    }
+    let min_tokens = f.uint("min_tokens")?.unwrap_or(0);
+    let stop_token_ids = token_ids(obj.get("stop_token_ids"), "stop_token_ids")?;
+    if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(ApiError::invalid(
+            "stop_token_ids",
+            format!(
+                "at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got {}",
+                stop_token_ids.len()
+            ),
+        ));
+    }
+    for key in ["suffix", "tools", "functions", "response_format"] {
         match obj.get(key) {
             None | Some(Value::Null) => {}
             Some(Value::Object(m)) if m.is_empty() => {}
@@ -133,15 +149,14 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
         }
     }
 
+    // `max_completion_tokens` (OpenAI's newer name) wins over `max_tokens` on both endpoints.
+    let asked = match f.uint("max_completion_tokens")? {
+        Some(v) => Some(v),
+        None => f.uint("max_tokens")?,
+    };
     let max_tokens = match endpoint {
-        Endpoint::Completions => Some(f.uint("max_tokens")?.map_or(
-            Ok(DEFAULT_COMPLETION_MAX_TOKENS as u64),
-            Ok::<u64, ApiError>,
-        )?),
-        Endpoint::Chat => match f.uint("max_completion_tokens")? {
-            Some(v) => Some(v),
-            None => f.uint("max_tokens")?,
-        },
+        Endpoint::Completions => Some(asked.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS as u64)),
+        Endpoint::Chat => asked,
     };
     if max_tokens == Some(0) {
         return Err(ApiError::invalid(
@@ -226,10 +241,12 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
             ))
         }
     };
-    let logprobs = match endpoint {
+    // Completions: `logprobs: k` asks for the sampled token and k alternatives. Chat:
+    // `logprobs: true` turns them on, `top_logprobs: k` asks for k alternatives.
+    let (logprobs, top_logprobs) = match endpoint {
         Endpoint::Completions => match f.uint("logprobs")? {
-            None => false,
-            Some(n) if n <= MAX_LOGPROBS => true,
+            None => (false, 0),
+            Some(n) if n <= MAX_LOGPROBS => (true, n),
             Some(n) => {
                 return Err(ApiError::invalid(
                     "logprobs",
@@ -238,22 +255,40 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
             }
         },
         Endpoint::Chat => {
-            if let Some(t) = f.uint("top_logprobs")? {
-                if t > MAX_TOP_LOGPROBS {
+            let on = f.bool("logprobs")?.unwrap_or(false);
+            let top = f.uint("top_logprobs")?;
+            match top {
+                Some(t) if t > MAX_LOGPROBS => {
                     return Err(ApiError::invalid(
                         "top_logprobs",
-                        format!("`top_logprobs` must be at most {MAX_TOP_LOGPROBS}"),
-                    ));
+                        format!("`top_logprobs` must be at most {MAX_LOGPROBS}, got {t}"),
+                    ))
                 }
+                Some(t) if t > 0 && !on => {
+                    return Err(ApiError::invalid(
+                        "top_logprobs",
+                        "`top_logprobs` requires `logprobs: true`",
+                    ))
+                }
+                _ => {}
             }
-            f.bool("logprobs")?.unwrap_or(false)
+            (on, top.unwrap_or(0))
         }
     };
+    if echo && logprobs {
+        return Err(ApiError::unsupported(
+            "echo",
+            "`echo` with `logprobs` is not supported: prompt log-probabilities are not computed",
+        ));
+    }
     let ignore_eos = f.bool("ignore_eos")?.unwrap_or(false);
     let tokens_as_ids = f.bool("return_tokens_as_token_ids")?.unwrap_or(false);
 
     let params = SamplingParams {
-        max_tokens: max_tokens.unwrap_or(1),
+        // Chat without `max_tokens`: the rest of the context, set once the prompt is tokenized.
+        max_tokens: max_tokens
+            .unwrap_or(1)
+            .max(usize::try_from(min_tokens).unwrap_or(usize::MAX)),
         temperature: temperature as f32,
         top_k,
         top_p: top_p as f32,
@@ -261,7 +296,25 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
         seed,
         stop,
         ignore_eos,
+        presence_penalty,
+        frequency_penalty,
+        logit_bias,
+        min_p: min_p as f32,
+        min_tokens: usize::try_from(min_tokens).unwrap_or(usize::MAX),
+        stop_token_ids,
+        top_logprobs: top_logprobs as usize,
     };
+    if let Some(m) = max_tokens {
+        if params.min_tokens > m {
+            return Err(ApiError::invalid(
+                "min_tokens",
+                format!(
+                    "`min_tokens` ({}) must not exceed `max_tokens` ({m})",
+                    params.min_tokens
+                ),
+            ));
+        }
+    }
     params
         .validate()
         .map_err(|e| ApiError::invalid("sampling", e.to_string()))?;
@@ -274,8 +327,87 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
         stream,
         include_usage,
         logprobs,
+        n: n as usize,
+        echo,
         tokens_as_ids,
     })
+}
+
+/// `presence_penalty` / `frequency_penalty`: OpenAI's range, −2 to 2.
+fn openai_penalty(f: &Fields, key: &str) -> Result<f32, ApiError> {
+    let v = f.number(key)?.unwrap_or(0.0);
+    if !(-(MAX_OPENAI_PENALTY as f64)..=MAX_OPENAI_PENALTY as f64).contains(&v) {
+        return Err(ApiError::invalid(
+            key,
+            format!(
+                "`{key}` must be between -{MAX_OPENAI_PENALTY} and {MAX_OPENAI_PENALTY}, got {v}"
+            ),
+        ));
+    }
+    Ok(v as f32)
+}
+
+/// OpenAI's `logit_bias`: an object from token id (as a string) to a bias in [−100, 100].
+fn logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let map = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                "`logit_bias` must be an object from token ids to numbers",
+            ))
+        }
+    };
+    if map.len() > MAX_LOGIT_BIAS_ENTRIES {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!(
+                "`logit_bias` may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {}",
+                map.len()
+            ),
+        ));
+    }
+    map.iter()
+        .map(|(k, v)| {
+            let token: u32 = k.trim().parse().map_err(|_| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!("`logit_bias` keys must be token ids, got {k:?}"),
+                )
+            })?;
+            let bias = v.as_f64().filter(|b| b.abs() <= MAX_LOGIT_BIAS as f64).ok_or_else(|| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!(
+                        "`logit_bias` values must be numbers between -{MAX_LOGIT_BIAS} and {MAX_LOGIT_BIAS}, got {v} for token {token}"
+                    ),
+                )
+            })?;
+            Ok((token, bias as f32))
+        })
+        .collect()
+}
+
+/// An optional array of token ids.
+fn token_ids(v: Option<&Value>, key: &str) -> Result<Vec<u32>, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|x| {
+                x.as_u64()
+                    .and_then(|i| u32::try_from(i).ok())
+                    .ok_or_else(|| {
+                        ApiError::invalid(key, format!("`{key}` must be an array of token ids"))
+                    })
+            })
+            .collect(),
+        Some(_) => Err(ApiError::invalid(
+            key,
+            format!("`{key}` must be an array of token ids"),
+        )),
+    }
 }
 
 /// Typed getters that say which field has the wrong type.
@@ -365,7 +497,7 @@ fn completion_prompt(v: Option<&Value>) -> Result<Prompt, ApiError> {
     }
 }
 
-fn messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
+pub(crate) fn messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
     let items = match v {
         None | Some(Value::Null) => {
             return Err(ApiError::invalid("messages", "`messages` is required"))
@@ -521,6 +653,26 @@ mod tests {
         .unwrap();
         assert_eq!(r.prompt, Prompt::Chat(vec![ChatMessage::new("user", "ab")]));
         assert_eq!(r.max_tokens, None);
+        let r = parse(
+            Endpoint::Completions,
+            br#"{"model":"m","prompt":"x","n":3,"echo":true,"presence_penalty":0.5,"frequency_penalty":-1,"logit_bias":{"7":-100,"9":2.5},"min_p":0.1,"min_tokens":2,"stop_token_ids":[4,5],"max_completion_tokens":9}"#,
+        )
+        .unwrap();
+        assert_eq!((r.n, r.echo, r.max_tokens), (3, true, Some(9)));
+        let p = &r.params;
+        assert_eq!((p.presence_penalty, p.frequency_penalty), (0.5, -1.0));
+        let mut bias = p.logit_bias.clone();
+        bias.sort_by_key(|b| b.0);
+        assert_eq!(bias, vec![(7, -100.0), (9, 2.5)]);
+        assert_eq!((p.min_p, p.min_tokens), (0.1, 2));
+        assert_eq!(p.stop_token_ids, vec![4, 5]);
+        let r = parse(
+            Endpoint::Chat,
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":3}"#,
+        )
+        .unwrap();
+        assert!(r.logprobs);
+        assert_eq!(r.params.top_logprobs, 3);
     }
 
     #[test]
@@ -569,11 +721,61 @@ mod tests {
             )
         );
         assert_eq!(
-            err(Completions, r#"{"model":"m","prompt":"x","n":5}"#),
-            (
-                400,
-                "`n` = 5: only one choice per request is supported".into()
+            err(Completions, r#"{"model":"m","prompt":"x","n":0}"#),
+            (422, "`n` must be between 1 and 16, got 0".into())
+        );
+        assert_eq!(
+            err(
+                Completions,
+                r#"{"model":"m","prompt":"x","n":2,"best_of":3}"#
             )
+            .0,
+            400
+        );
+        assert_eq!(
+            err(
+                Chat,
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"top_logprobs":2}"#
+            ),
+            (422, "`top_logprobs` requires `logprobs: true`".into())
+        );
+        assert_eq!(
+            err(
+                Completions,
+                r#"{"model":"m","prompt":"x","logit_bias":{"abc":1}}"#
+            ),
+            (
+                422,
+                "`logit_bias` keys must be token ids, got \"abc\"".into()
+            )
+        );
+        assert_eq!(
+            err(
+                Completions,
+                r#"{"model":"m","prompt":"x","logit_bias":{"5":-101}}"#
+            ),
+            (
+                422,
+                "`logit_bias` values must be numbers between -100 and 100, got -101 for token 5"
+                    .into()
+            )
+        );
+        assert_eq!(
+            err(
+                Completions,
+                r#"{"model":"m","prompt":"x","min_tokens":20,"max_tokens":4}"#
+            ),
+            (
+                422,
+                "`min_tokens` (20) must not exceed `max_tokens` (4)".into()
+            )
+        );
+        assert_eq!(
+            err(
+                Chat,
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"echo":true}"#
+            ),
+            (422, "`echo` applies to /v1/completions only".into())
         );
         assert_eq!(
             err(Chat, r#"{"model":"m","messages":[]}"#),
@@ -610,10 +812,12 @@ mod tests {
         assert_eq!(
             err(
                 Completions,
-                r#"{"model":"m","prompt":"x","presence_penalty":0.5}"#
+                r#"{"model":"m","prompt":"x","presence_penalty":2.5}"#
+            ),
+            (
+                422,
+                "`presence_penalty` must be between -2 and 2, got 2.5".into()
             )
-            .0,
-            400
         );
         let e = parse(Completions, b"{\"model\":\"m\",\"prompt\":\"\xff\"}").unwrap_err();
         assert_eq!(e.status().as_u16(), 400);

@@ -153,6 +153,8 @@ pub struct SampledToken {
     pub logprob: f32,
     /// The tokenizer ends generation on this token (EOS, end of turn).
     pub end_of_generation: bool,
+    /// One of the request's `stop_token_ids`: ends generation even with `ignore_eos`.
+    pub stop_token: bool,
 }
 
 /// What a step did to one sequence.
@@ -658,7 +660,7 @@ impl Scheduler {
 
     fn append(&mut self, t: &SampledToken) -> Option<SeqUpdate> {
         let seq = self.seqs.get_mut(&t.id)?;
-        if t.end_of_generation && !seq.ignore_eos {
+        if (t.end_of_generation && !seq.ignore_eos) || t.stop_token {
             return Some(SeqUpdate {
                 id: t.id,
                 token: None,

@@ -86,6 +86,7 @@ fn step(s: &mut Scheduler) -> (SchedulerOutput, Vec<SeqUpdate>) {
                 token: (h.finish() % 1000) as u32,
                 logprob: 0.0,
                 end_of_generation: false,
+                stop_token: false,
             });
         }
     }

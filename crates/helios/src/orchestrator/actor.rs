@@ -1111,7 +1111,10 @@ pub(super) fn run(mut s: State, rx: mpsc::Receiver<Command>) {
         let mut next = cmd;
         while let Some(c) = next {
             match c {
-                Command::Submit { request, sink, .. } => s.submit(Queued { request, sink }),
+                Command::Submit { request, sink, .. } => s.submit(Queued {
+                    request: *request,
+                    sink,
+                }),
                 Command::Stats { reply } => {
                     let _ = reply.send(s.stats());
                 }

@@ -289,7 +289,7 @@ impl From<&Serving> for ServingInfo {
 
 enum Command {
     Submit {
-        request: HeliosRequest,
+        request: Box<HeliosRequest>,
         sink: tmpsc::UnboundedSender<Result<HeliosOutput>>,
     },
     Stats {
@@ -352,7 +352,10 @@ impl Orchestrator {
     /// item when no candidate can take it).
     pub fn submit(&self, request: HeliosRequest) -> Result<HeliosStream> {
         let (sink, rx) = tmpsc::unbounded_channel();
-        self.send(Command::Submit { request, sink })?;
+        self.send(Command::Submit {
+            request: Box::new(request),
+            sink,
+        })?;
         Ok(HeliosStream { rx })
     }
 
