@@ -121,6 +121,8 @@ pub struct ServeOptions {
     pub seed: u64,
     /// Send `ignore_eos: true` (a vLLM extension; llama.cpp's server knows it too).
     pub ignore_eos: bool,
+    /// Fields added to every request body (vLLM's `--extra-body`), e.g. a `response_format`.
+    pub extra_body: serde_json::Map<String, serde_json::Value>,
     pub slos: Slos,
     pub request_timeout: Duration,
     /// Sent as `Authorization: Bearer KEY`.
@@ -245,6 +247,8 @@ pub async fn benchmark(
         max_concurrency: opts.max_concurrency.map(NonZeroUsize::get),
         seed: opts.seed,
         ignore_eos: opts.ignore_eos,
+        extra_body: (!opts.extra_body.is_empty())
+            .then(|| serde_json::Value::Object(opts.extra_body.clone())),
         goodput_slos: opts.slos,
         metrics: Metrics::compute(&records, duration, &opts.slos),
         peak_concurrent_requests: report::peak_concurrency(&records),

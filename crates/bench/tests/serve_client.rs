@@ -245,6 +245,7 @@ fn options(url: &str, rate: RequestRate) -> ServeOptions {
         max_concurrency: None,
         seed: 0,
         ignore_eos: false,
+        extra_body: serde_json::Map::new(),
         slos: Slos::default(),
         request_timeout: DEFAULT_REQUEST_TIMEOUT,
         api_key: None,

@@ -82,6 +82,10 @@ pub struct ServeArgs {
     /// Send ignore_eos: true, so every request generates its full length.
     #[arg(long)]
     ignore_eos: bool,
+    /// A JSON object merged into every request body, e.g.
+    /// '{"response_format": {"type": "json_object"}}' to measure constrained decoding.
+    #[arg(long, value_name = "JSON")]
+    extra_body: Option<String>,
     /// Service-level objectives for goodput, KEY:MS with KEY ttft, tpot or e2el
     /// (repeatable: --goodput ttft:500 tpot:50).
     #[arg(long, value_name = "KEY:MS", num_args = 1..)]
@@ -128,6 +132,13 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         max_concurrency: a.max_concurrency,
         seed: a.seed,
         ignore_eos: a.ignore_eos,
+        extra_body: match &a.extra_body {
+            None => serde_json::Map::new(),
+            Some(text) => match serde_json::from_str(text)? {
+                serde_json::Value::Object(m) => m,
+                _ => anyhow::bail!("--extra-body must be a JSON object"),
+            },
+        },
         slos: Slos::parse(&a.goodput)?,
         request_timeout: Duration::from_secs(a.request_timeout_s.max(1)),
         api_key: a.api_key.clone(),

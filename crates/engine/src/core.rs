@@ -14,9 +14,11 @@
 //! once from the budget and resized only by residency changes, between steps.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use serde::Serialize;
+use switchyard_grammar::{Constraint, GrammarCompiler, GrammarError};
 use switchyard_kernels::prof::{self, Part};
 use switchyard_models::{ForwardBatch, LayeredModel, SeqChunk, SeqKv};
 use switchyard_request::{FinishReason, SamplingParams};
@@ -180,6 +182,8 @@ pub struct ExitProbe {
 /// Per-request state the scheduler does not hold.
 struct Request {
     sampler: Sampler,
+    /// The structured-output constraint, when the request has one.
+    constraint: Option<Constraint>,
 }
 
 /// A step's sampled tokens, their exit confidences and their requested log-probability
@@ -204,6 +208,10 @@ pub struct EngineCore {
     loading: Option<Vec<(usize, u64)>>,
     load_times: Vec<LayerLoadTime>,
     probe: Option<ExitProbe>,
+    /// Compiles requests' structured-output constraints (`None`: such requests are refused).
+    grammar: Option<Arc<GrammarCompiler>>,
+    /// Constrained requests whose grammar failed in the last forward, to end with an error.
+    grammar_failed: Vec<(RequestId, GrammarError)>,
 }
 
 impl std::fmt::Debug for EngineCore {
@@ -283,7 +291,15 @@ impl EngineCore {
             loading: None,
             load_times: Vec::new(),
             probe: None,
+            grammar: None,
+            grammar_failed: Vec::new(),
         })
+    }
+
+    /// Serves structured-output requests with constraints compiled by `grammar` (the engine
+    /// handle sets it from the model's tokenizer).
+    pub fn set_grammar(&mut self, grammar: Arc<GrammarCompiler>) {
+        self.grammar = Some(grammar);
     }
 
     pub fn model(&self) -> &LayeredModel {
@@ -318,6 +334,16 @@ impl EngineCore {
         if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(switchyard_models::ModelError::TokenOutOfRange { id: t, vocab }.into());
         }
+        let constraint = match &req.params.guide {
+            None => None,
+            Some(guide) => {
+                let grammar = self.grammar.as_ref().ok_or(EngineError::Unsupported {
+                    param: "response_format",
+                    reason: "this engine was started without a tokenizer to constrain".into(),
+                })?;
+                Some(grammar.compile(guide)?)
+            }
+        };
         self.scheduler.add(
             id,
             NewSequence {
@@ -330,6 +356,7 @@ impl EngineCore {
             id,
             Request {
                 sampler: Sampler::new(&req.params).with_end_tokens(&self.end_of_generation),
+                constraint,
             },
         );
         Ok(())
@@ -386,7 +413,13 @@ impl EngineCore {
         if plan.is_empty() {
             return result;
         }
-        match self.run(&plan) {
+        let ran = self.run(&plan);
+        for (id, e) in std::mem::take(&mut self.grammar_failed) {
+            tracing::warn!(error = %e, "a constrained request failed");
+            self.abort(id);
+            result.failed.push((id, EngineError::Grammar(e)));
+        }
+        match ran {
             Ok((sampled, exits, mut top)) => {
                 let _t = prof::time(Part::Schedule);
                 let logprobs: HashMap<RequestId, f32> =
@@ -534,14 +567,31 @@ impl EngineCore {
             else {
                 continue;
             };
-            let s = req.sampler.sample(row, seq.tokens(), seq.prompt_len());
+            let (tokens, prompt_len) = (seq.tokens(), seq.prompt_len());
+            let s = match req.constraint.as_mut() {
+                None => req.sampler.sample(row, tokens, prompt_len),
+                Some(c) => match req.sampler.sample_constrained(row, tokens, prompt_len, c) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        self.grammar_failed.push((*id, e));
+                        continue;
+                    }
+                },
+            };
             let token = s.token;
+            let end_of_generation = self.end_of_generation.contains(&token);
+            // A constrained output ends at its end token even with `ignore_eos`: nothing may
+            // follow a complete one.
+            let finished = req
+                .constraint
+                .as_ref()
+                .is_some_and(|c| c.is_finished() && end_of_generation);
             sampled.push(SampledToken {
                 id: *id,
                 token,
                 logprob: s.logprob,
-                end_of_generation: self.end_of_generation.contains(&token),
-                stop_token: req.sampler.params().stop_token_ids.contains(&token),
+                end_of_generation,
+                stop_token: finished || req.sampler.params().stop_token_ids.contains(&token),
             });
             if !s.top.is_empty() {
                 top.insert(*id, s.top);

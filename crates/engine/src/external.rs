@@ -54,7 +54,7 @@ fn serve(mut backend: Box<dyn RequestBackend>, shape: Shape, rx: &mpsc::Receiver
                 request,
                 arrival,
                 sink,
-            } => backend.start(id, request, arrival, sink),
+            } => backend.start(id, *request, arrival, sink),
             Command::Abort { id } => backend.abort(id),
             Command::SetDepth { depth, reply } => {
                 let _ = reply.send(if depth == shape.n_layers {

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use switchyard_grammar::GrammarCompiler;
 use switchyard_kernels::prof::{self, Part};
 use switchyard_request::FinishReason;
 use switchyard_tokenizer::Tokenizer;
@@ -118,12 +119,34 @@ pub struct EngineInfo {
     pub context_length: usize,
     pub vocab_size: usize,
     pub tokenizer: Arc<Tokenizer>,
+    /// Compiles structured-output constraints over this tokenizer (shared with the engine).
+    pub grammar: Arc<GrammarCompiler>,
+}
+
+impl EngineInfo {
+    pub fn new(
+        model: impl Into<String>,
+        n_layers: usize,
+        context_length: usize,
+        vocab_size: usize,
+        tokenizer: Arc<Tokenizer>,
+    ) -> Self {
+        let grammar = Arc::new(GrammarCompiler::new(Arc::clone(&tokenizer), vocab_size));
+        Self {
+            model: model.into(),
+            n_layers,
+            context_length,
+            vocab_size,
+            tokenizer,
+            grammar,
+        }
+    }
 }
 
 pub(crate) enum Command {
     Add {
         id: RequestId,
-        request: EngineRequest,
+        request: Box<EngineRequest>,
         arrival: Instant,
         sink: OutputSink,
     },
@@ -296,15 +319,20 @@ impl EngineHandle {
 
     /// Starts the engine thread; it runs until [`EngineHandle::shutdown`] or until every
     /// handle is dropped and no request is left.
-    pub fn spawn(core: EngineCore, tokenizer: Arc<Tokenizer>, model_name: &str) -> Result<Self> {
+    pub fn spawn(
+        mut core: EngineCore,
+        tokenizer: Arc<Tokenizer>,
+        model_name: &str,
+    ) -> Result<Self> {
         let spec = core.model().spec();
-        let info = EngineInfo {
-            model: model_name.to_string(),
-            n_layers: core.model().n_layers(),
-            context_length: core.scheduler().context(),
-            vocab_size: spec.vocab_size,
-            tokenizer: Arc::clone(&tokenizer),
-        };
+        let info = EngineInfo::new(
+            model_name,
+            core.model().n_layers(),
+            core.scheduler().context(),
+            spec.vocab_size,
+            Arc::clone(&tokenizer),
+        );
+        core.set_grammar(Arc::clone(&info.grammar));
         Self::run("switchyard-engine", info, move |rx| {
             serve(core, &tokenizer, rx)
         })
@@ -348,7 +376,7 @@ impl EngineHandle {
         self.tx
             .send(Command::Add {
                 id,
-                request,
+                request: Box::new(request),
                 arrival: Instant::now(),
                 sink,
             })
@@ -515,7 +543,7 @@ impl Server<'_> {
             } => {
                 let prompt = request.prompt.len();
                 let stop = request.params.stop.clone();
-                match self.core.add_request(id, request) {
+                match self.core.add_request(id, *request) {
                     Ok(()) => self.out.add(id, prompt, &stop, arrival, sink),
                     Err(e) => {
                         let _ = sink.send(Err(e));

@@ -61,6 +61,8 @@ pub enum EngineError {
     Candle(#[from] candle_core::Error),
     #[error("the prompt is empty")]
     EmptyPrompt,
+    #[error(transparent)]
+    Grammar(#[from] switchyard_grammar::GrammarError),
     #[error("`{param}` is not supported here: {reason}")]
     Unsupported { param: &'static str, reason: String },
     #[error("the prompt has {prompt} tokens; the model's context holds {context}, leaving no room to generate")]

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use switchyard_grammar::{Constraint, GrammarError};
 use switchyard_request::SamplingParams;
 
 /// The chosen token and its log-probability (see the module docs).
@@ -64,12 +65,32 @@ impl Sampler {
     /// `tokens`: the prompt and the tokens generated so far; the first `prompt_len` of them
     /// are the prompt (penalties other than the repetition penalty look at the output only).
     pub fn sample(&mut self, logits: &[f32], tokens: &[u32], prompt_len: usize) -> Sampled {
-        let _span = tracing::trace_span!("sample").entered();
-        // The logits are copied only when something changes them.
         let processed = self
             .params
             .processes_logits()
             .then(|| self.processed(logits, tokens, prompt_len));
+        self.sample_from(logits, processed)
+    }
+
+    /// [`Sampler::sample`] under a structured-output constraint: tokens it does not allow are
+    /// masked out (after bias and penalties), and the sampled token advances it.
+    pub fn sample_constrained(
+        &mut self,
+        logits: &[f32],
+        tokens: &[u32],
+        prompt_len: usize,
+        constraint: &mut Constraint,
+    ) -> Result<Sampled, GrammarError> {
+        let mut l = self.processed(logits, tokens, prompt_len);
+        constraint.mask(&mut l)?;
+        let s = self.sample_from(logits, Some(l));
+        constraint.advance(s.token)?;
+        Ok(s)
+    }
+
+    /// Samples from `processed` (the changed logits) or, when nothing changed them, `logits`.
+    fn sample_from(&mut self, logits: &[f32], processed: Option<Vec<f32>>) -> Sampled {
+        let _span = tracing::trace_span!("sample").entered();
         let l = processed.as_deref().unwrap_or(logits);
         // One pass for the maximum (and the greedy token), one vectorized pass for the
         // normalizer.

@@ -216,7 +216,7 @@ impl Sequential {
                 }
                 None => self.queue.push_back(Queued {
                     id,
-                    request,
+                    request: *request,
                     arrival,
                     sink,
                 }),

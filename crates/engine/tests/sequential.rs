@@ -55,13 +55,7 @@ fn start() -> (EngineHandle, Arc<AtomicUsize>) {
     let src = switchyard_weights::open(path).expect("open");
     let tokenizer = Arc::new(Tokenizer::from_source(&*src).expect("tokenizer"));
     let emitted = Arc::new(AtomicUsize::new(0));
-    let info = EngineInfo {
-        model: "scripted".into(),
-        n_layers: 3,
-        context_length: 64,
-        vocab_size: 100_000,
-        tokenizer,
-    };
+    let info = EngineInfo::new("scripted", 3, 64, 100_000, tokenizer);
     let decoder = Box::new(Scripted {
         emitted: Arc::clone(&emitted),
     });

@@ -79,13 +79,13 @@ pub fn remote_candidate(entry: &ModelEntry) -> Result<EngineHandle> {
         .timeout(None)
         .build()
         .map_err(|e| HeliosError::Orchestrator(format!("HTTP client: {e}")))?;
-    let info = EngineInfo {
-        model: entry.name.clone(),
-        n_layers: entry.layers,
-        context_length: entry.context_length.unwrap_or(usize::MAX),
-        vocab_size: tokenizer.vocab_size(),
-        tokenizer: Arc::clone(&tokenizer),
-    };
+    let info = EngineInfo::new(
+        entry.name.clone(),
+        entry.layers,
+        entry.context_length.unwrap_or(usize::MAX),
+        tokenizer.vocab_size(),
+        Arc::clone(&tokenizer),
+    );
     let backend = RemoteBackend {
         target: Arc::new(Target {
             name: entry.name.clone(),

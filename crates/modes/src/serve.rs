@@ -241,14 +241,16 @@ impl ModeServer {
     /// report as the memory budget.
     pub fn into_handle(self, assets: &ModeAssets, budget: u64) -> Result<EngineHandle> {
         let tokenizer = Arc::clone(&assets.tokenizer);
-        let info = |m: &LayeredModel| EngineInfo {
-            model: assets.name.clone(),
-            n_layers: m.n_layers(),
-            context_length: assets
-                .max_model_len
-                .map_or(m.spec().context_length, |c| c.min(m.spec().context_length)),
-            vocab_size: m.spec().vocab_size,
-            tokenizer: Arc::clone(&tokenizer),
+        let info = |m: &LayeredModel| {
+            EngineInfo::new(
+                assets.name.clone(),
+                m.n_layers(),
+                assets
+                    .max_model_len
+                    .map_or(m.spec().context_length, |c| c.min(m.spec().context_length)),
+                m.spec().vocab_size,
+                Arc::clone(&tokenizer),
+            )
         };
         let (decoder, info): (Box<dyn SequentialDecoder>, EngineInfo) = match self {
             Self::Engine(h) => return Ok(h),

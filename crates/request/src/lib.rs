@@ -61,6 +61,35 @@ pub enum RequestError {
     StopLength { len: usize, max: usize },
 }
 
+/// A constraint on the output's text (structured outputs), enforced token by token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Guide {
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// JSON valid under this schema (`json_schema`, vLLM's `guided_json`).
+    JsonSchema(serde_json::Value),
+    /// Text the regular expression matches in full (`guided_regex`).
+    Regex(String),
+    /// Exactly one of these strings (`guided_choice`).
+    Choice(Vec<String>),
+    /// A Lark context-free grammar (`guided_grammar`).
+    Lark(String),
+}
+
+impl Guide {
+    /// The request field it came from, for error messages.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Guide::JsonObject => "json_object",
+            Guide::JsonSchema(_) => "json_schema",
+            Guide::Regex(_) => "regex",
+            Guide::Choice(_) => "choice",
+            Guide::Lark(_) => "grammar",
+        }
+    }
+}
+
 /// How to pick each next token and when to stop.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -96,6 +125,8 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// How many most likely alternatives to report with each sampled token (0: none).
     pub top_logprobs: usize,
+    /// The output must follow this constraint (structured outputs).
+    pub guide: Option<Guide>,
 }
 
 impl Default for SamplingParams {
@@ -116,6 +147,7 @@ impl Default for SamplingParams {
             min_tokens: 0,
             stop_token_ids: Vec::new(),
             top_logprobs: 0,
+            guide: None,
         }
     }
 }
@@ -144,6 +176,7 @@ impl SamplingParams {
             ("min_tokens", self.min_tokens > 0),
             ("stop_token_ids", !self.stop_token_ids.is_empty()),
             ("top_logprobs", self.top_logprobs > 0),
+            ("response_format", self.guide.is_some()),
         ]
         .into_iter()
         .find_map(|(name, set)| set.then_some(name))
@@ -157,6 +190,7 @@ impl SamplingParams {
             || self.frequency_penalty != 0.0
             || !self.logit_bias.is_empty()
             || self.min_tokens > 0
+            || self.guide.is_some()
     }
 
     pub fn validate(&self) -> Result<(), RequestError> {

@@ -17,7 +17,11 @@ pub enum ApiError {
     /// A field is missing, has the wrong type or a value out of range (422).
     #[error("{message}")]
     Invalid { param: String, message: String },
-    /// Valid JSON asking for something this server does not do (400), e.g. `n > 1`.
+    /// A well-formed value the server cannot use, such as a JSON schema or grammar that does
+    /// not compile (400).
+    #[error("{message}")]
+    Rejected { param: String, message: String },
+    /// Valid JSON asking for something this server does not do (400), e.g. `best_of > n`.
     #[error("{message}")]
     Unsupported { param: String, message: String },
     /// The prompt and requested tokens do not fit the model (400).
@@ -51,9 +55,10 @@ pub enum ApiError {
 impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::Malformed(_) | ApiError::Unsupported { .. } | ApiError::ContextLength(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            ApiError::Malformed(_)
+            | ApiError::Rejected { .. }
+            | ApiError::Unsupported { .. }
+            | ApiError::ContextLength(_) => StatusCode::BAD_REQUEST,
             ApiError::Invalid { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::UnknownModel(_) => StatusCode::NOT_FOUND,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -73,6 +78,7 @@ impl ApiError {
         match self {
             ApiError::Malformed(_)
             | ApiError::Invalid { .. }
+            | ApiError::Rejected { .. }
             | ApiError::Unsupported { .. }
             | ApiError::ContextLength(_)
             | ApiError::TooLarge { .. }
@@ -90,9 +96,9 @@ impl ApiError {
 
     fn param(&self) -> Option<String> {
         match self {
-            ApiError::Invalid { param, .. } | ApiError::Unsupported { param, .. } => {
-                Some(param.clone())
-            }
+            ApiError::Invalid { param, .. }
+            | ApiError::Rejected { param, .. }
+            | ApiError::Unsupported { param, .. } => Some(param.clone()),
             ApiError::UnknownModel(_) => Some("model".into()),
             ApiError::ContextLength(_) => Some("messages".into()),
             _ => None,
@@ -162,6 +168,12 @@ impl From<switchyard_engine::EngineError> for ApiError {
             }
             E::Request(r) => ApiError::invalid("sampling", r.to_string()),
             E::Unsupported { param, .. } => ApiError::unsupported(param, e.to_string()),
+            E::Grammar(g @ switchyard_grammar::GrammarError::Invalid { .. }) => {
+                ApiError::Rejected {
+                    param: "response_format".into(),
+                    message: g.to_string(),
+                }
+            }
             E::EngineStopped => ApiError::ShuttingDown,
             E::EngineFailed { .. } => ApiError::EngineDown(e.to_string()),
             other => ApiError::Internal(other.to_string()),

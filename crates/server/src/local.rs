@@ -168,6 +168,16 @@ impl LocalModel {
                 format!("token id {t} is outside the vocabulary of {vocab}"),
             ));
         }
+        if let Some(guide) = &params.guide {
+            // Compiled here too, so that a bad schema is a 400 before anything is queued.
+            self.info
+                .grammar
+                .compile(guide)
+                .map_err(|e| ApiError::Rejected {
+                    param: "response_format".into(),
+                    message: e.to_string(),
+                })?;
+        }
         Ok(EngineRequest { prompt, params })
     }
 

@@ -3,7 +3,7 @@
 
 use serde_json::{Map, Value};
 use switchyard_request::{
-    SamplingParams, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_OPENAI_PENALTY,
+    Guide, SamplingParams, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_OPENAI_PENALTY,
     MAX_REPETITION_PENALTY, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS,
     MIN_REPETITION_PENALTY,
 };
@@ -135,7 +135,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
             ),
         ));
     }
-    for key in ["suffix", "tools", "functions", "response_format"] {
+    let guide = guide(obj)?;
+    for key in ["suffix", "tools", "functions"] {
         match obj.get(key) {
             None | Some(Value::Null) => {}
             Some(Value::Object(m)) if m.is_empty() => {}
@@ -303,6 +304,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
         min_tokens: usize::try_from(min_tokens).unwrap_or(usize::MAX),
         stop_token_ids,
         top_logprobs: top_logprobs as usize,
+        guide,
     };
     if let Some(m) = max_tokens {
         if params.min_tokens > m {
@@ -331,6 +333,105 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
         echo,
         tokens_as_ids,
     })
+}
+
+/// The structured-output constraint: OpenAI's `response_format` (`json_object`,
+/// `json_schema`) or one of vLLM's `guided_json`, `guided_regex`, `guided_choice`,
+/// `guided_grammar`; at most one.
+fn guide(obj: &Map<String, Value>) -> Result<Option<Guide>, ApiError> {
+    let set = |key: &str| !matches!(obj.get(key), None | Some(Value::Null));
+    let keys = [
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    ];
+    let given: Vec<&str> = keys.iter().copied().filter(|k| set(k)).collect();
+    if given.len() > 1 {
+        return Err(ApiError::invalid(
+            given[1],
+            format!("give one output constraint, not {}", given.join(" and ")),
+        ));
+    }
+    let Some(&key) = given.first() else {
+        return Ok(None);
+    };
+    let v = &obj[key];
+    let guide = match key {
+        "response_format" => {
+            let kind = v.get("type").and_then(Value::as_str).ok_or_else(|| {
+                ApiError::invalid(
+                    "response_format.type",
+                    "`response_format` must be an object with a `type`: text, json_object or json_schema",
+                )
+            })?;
+            match kind {
+                "text" => return Ok(None),
+                "json_object" => Guide::JsonObject,
+                "json_schema" => {
+                    let schema = v
+                        .get("json_schema")
+                        .and_then(|j| j.get("schema"))
+                        .filter(|s| s.is_object() || s.is_boolean())
+                        .ok_or_else(|| {
+                            ApiError::invalid(
+                                "response_format.json_schema.schema",
+                                "`response_format.json_schema.schema` must be a JSON schema object",
+                            )
+                        })?;
+                    Guide::JsonSchema(schema.clone())
+                }
+                other => {
+                    return Err(ApiError::invalid(
+                        "response_format.type",
+                        format!("unknown `response_format.type` {other:?}: use text, json_object or json_schema"),
+                    ))
+                }
+            }
+        }
+        "guided_json" => match v {
+            Value::String(text) => Guide::JsonSchema(serde_json::from_str(text).map_err(|e| {
+                ApiError::invalid("guided_json", format!("`guided_json` is not JSON: {e}"))
+            })?),
+            Value::Object(_) | Value::Bool(_) => Guide::JsonSchema(v.clone()),
+            _ => {
+                return Err(ApiError::invalid(
+                    "guided_json",
+                    "`guided_json` must be a JSON schema",
+                ))
+            }
+        },
+        "guided_regex" => Guide::Regex(
+            v.as_str()
+                .ok_or_else(|| {
+                    ApiError::invalid("guided_regex", "`guided_regex` must be a string")
+                })?
+                .to_string(),
+        ),
+        "guided_choice" => Guide::Choice(
+            v.as_array()
+                .and_then(|a| {
+                    a.iter()
+                        .map(|c| c.as_str().map(str::to_string))
+                        .collect::<Option<Vec<String>>>()
+                })
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "guided_choice",
+                        "`guided_choice` must be an array of strings",
+                    )
+                })?,
+        ),
+        _ => Guide::Lark(
+            v.as_str()
+                .ok_or_else(|| {
+                    ApiError::invalid("guided_grammar", "`guided_grammar` must be a string")
+                })?
+                .to_string(),
+        ),
+    };
+    Ok(Some(guide))
 }
 
 /// `presence_penalty` / `frequency_penalty`: OpenAI's range, −2 to 2.

@@ -154,13 +154,13 @@ impl SequentialDecoder for Fragile {
 }
 
 fn fragile_engine(name: &str) -> EngineHandle {
-    let info = EngineInfo {
-        model: name.into(),
-        n_layers: 1,
-        context_length: synthetic::CONTEXT,
-        vocab_size: synthetic::VOCAB,
-        tokenizer: Arc::new(synthetic::tokenizer(None)),
-    };
+    let info = EngineInfo::new(
+        name,
+        1,
+        synthetic::CONTEXT,
+        synthetic::VOCAB,
+        Arc::new(synthetic::tokenizer(None)),
+    );
     EngineHandle::spawn_sequential(Box::new(Fragile), info, 1 << 20).expect("decoder thread")
 }
 

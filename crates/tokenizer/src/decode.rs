@@ -143,6 +143,21 @@ pub(crate) fn clean_spaces(text: &mut Vec<u8>) {
 }
 
 impl Tokenizer {
+    /// Every token's own bytes, by id, as one token renders on its own in the middle of a
+    /// text (no space prefix removed, no space cleaning), and whether it is a control token
+    /// (rendered as its text). What a token-level grammar engine needs to know of the vocabulary.
+    pub fn token_bytes(&self) -> Vec<(Vec<u8>, bool)> {
+        (0..self.vocab.len() as u32)
+            .map(|id| {
+                let mut out = Vec::new();
+                // Every id below the vocabulary's length is checked, so this cannot fail.
+                let _ = push_piece(&self.vocab, self.style(), id, true, &mut out);
+                let special = self.vocab.attr(id).is_some_and(|a| a.is_special());
+                (out, special)
+            })
+            .collect()
+    }
+
     /// llama.cpp's `detokenize(remove_special = skip, unparse_special = !skip)`, as UTF-8 with
     /// invalid sequences replaced by U+FFFD.
     pub(crate) fn decode_bytes(&self, ids: &[u32], skip_special: bool) -> Result<Vec<u8>> {

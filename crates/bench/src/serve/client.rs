@@ -176,6 +176,7 @@ pub(crate) struct Client {
     model: String,
     endpoint: Endpoint,
     ignore_eos: bool,
+    extra_body: serde_json::Map<String, serde_json::Value>,
     api_key: Option<String>,
     timeout: Duration,
 }
@@ -193,6 +194,7 @@ impl Client {
             model: opts.model.clone(),
             endpoint: opts.endpoint,
             ignore_eos: opts.ignore_eos,
+            extra_body: opts.extra_body.clone(),
             api_key: opts.api_key.clone(),
             timeout: opts.request_timeout,
         })
@@ -218,6 +220,9 @@ impl Client {
         }
         if self.ignore_eos {
             body["ignore_eos"] = true.into();
+        }
+        if let Some(b) = body.as_object_mut() {
+            b.extend(self.extra_body.clone());
         }
         body
     }

@@ -38,6 +38,9 @@ pub struct ServeReport {
     pub max_concurrency: Option<usize>,
     pub seed: u64,
     pub ignore_eos: bool,
+    /// Fields added to every request body, when any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extra_body: Option<serde_json::Value>,
     pub goodput_slos: Slos,
     #[serde(flatten)]
     pub metrics: Metrics,
