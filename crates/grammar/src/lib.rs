@@ -165,16 +165,30 @@ impl Constraint {
             .matcher
             .compute_mask_or_eos()
             .map_err(|e| GrammarError::Parser(e.to_string()))?;
-        let allowed = mask.len().min(logits.len());
-        for (t, l) in logits.iter_mut().enumerate().take(allowed) {
-            if !mask.is_allowed(t as u32) {
-                *l = f32::NEG_INFINITY;
+        // Word by word: most words of a mask are all allowed (inside a JSON string, say) or
+        // all banned, and cost one comparison.
+        let n = logits.len();
+        for (w, &bits) in mask.as_slice().iter().enumerate() {
+            let start = w * 32;
+            if start >= n {
+                break;
+            }
+            let end = (start + 32).min(n);
+            match bits {
+                u32::MAX => {}
+                0 => logits[start..end].fill(f32::NEG_INFINITY),
+                _ => {
+                    for (k, l) in logits[start..end].iter_mut().enumerate() {
+                        if bits & (1 << k) == 0 {
+                            *l = f32::NEG_INFINITY;
+                        }
+                    }
+                }
             }
         }
         // Ids past the tokenizer's vocabulary (padding rows of the output matrix).
-        for l in logits.iter_mut().take(self.logits_len).skip(allowed) {
-            *l = f32::NEG_INFINITY;
-        }
+        let covered = (mask.as_slice().len() * 32).min(mask.len()).min(n);
+        logits[covered.min(self.logits_len)..].fill(f32::NEG_INFINITY);
         Ok(())
     }
 
