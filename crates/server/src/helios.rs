@@ -148,6 +148,12 @@ impl HeliosModel {
         if !req.params.stop_token_ids.is_empty() {
             return Err(ApiError::unsupported("stop_token_ids", NO_VOCABULARY));
         }
+        if req.tools.is_some() {
+            return Err(ApiError::unsupported(
+                "tools",
+                "the HELIOS candidates render and format tool calls each their own way; send tools to a plain model",
+            ));
+        }
         if req.n > 1 {
             return Err(ApiError::unsupported(
                 "n",

@@ -17,6 +17,7 @@ pub mod modeswitch;
 pub mod remote;
 pub mod routes;
 pub mod state;
+pub mod tools;
 pub mod validate;
 
 use std::collections::BTreeMap;

@@ -119,7 +119,16 @@ impl LocalModel {
                 }
                 ids.clone()
             }
-            Prompt::Chat(messages) => self.encode_chat(messages, true)?,
+            Prompt::Chat(messages) => {
+                let tools = req.tools.as_ref().and_then(|t| t.rendered());
+                if tools.is_some() && !tok.chat_template_supports_tools() {
+                    return Err(ApiError::unsupported(
+                        "tools",
+                        format!("the chat template of `{}` does not render tools", self.name),
+                    ));
+                }
+                self.encode_chat(messages, tools, true)?
+            }
         };
         if prompt.is_empty() {
             return Err(ApiError::ContextLength("the prompt is empty".into()));
@@ -144,6 +153,9 @@ impl LocalModel {
         };
         let mut params = req.params.clone();
         params.max_tokens = max_tokens;
+        if let Some(g) = req.tools.as_ref().and_then(|t| t.guide(tok)) {
+            params.guide = Some(g);
+        }
         if params.min_tokens > max_tokens {
             return Err(ApiError::ContextLength(format!(
                 "`min_tokens` ({}) does not fit: the context leaves room for {max_tokens} output tokens",
@@ -186,11 +198,12 @@ impl LocalModel {
     pub fn encode_chat(
         &self,
         messages: &[switchyard_tokenizer::ChatMessage],
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, ApiError> {
         let tok = &self.info.tokenizer;
         let text = tok
-            .apply_chat_template(messages, add_generation_prompt)
+            .apply_chat_template_with_tools(messages, tools, add_generation_prompt)
             .map_err(|e| ApiError::unsupported("messages", e.to_string()))?;
         let has_bos = tok
             .bos_id()

@@ -419,27 +419,67 @@ fn choices_response(
             usage: Some(usage),
         })
         .into_response(),
-        Endpoint::Chat => Json(ChatResponse {
-            id,
-            object: "chat.completion".into(),
-            created,
-            model: req.model.clone(),
-            choices: choices
+        Endpoint::Chat => {
+            let choices = choices
                 .into_iter()
                 .enumerate()
-                .map(|(index, c)| ChatChoice {
-                    index,
-                    message: ChatMessageOut {
-                        role: "assistant".into(),
-                        content: c.text,
-                    },
-                    logprobs: c.chat_logprobs,
-                    finish_reason: c.finish,
+                .map(|(index, c)| {
+                    let (message, finish) =
+                        assistant_message(req, c.text, c.finish, &format!("{id}_{index}"));
+                    ChatChoice {
+                        index,
+                        message,
+                        logprobs: c.chat_logprobs,
+                        finish_reason: finish,
+                    }
                 })
-                .collect(),
-            usage,
-        })
-        .into_response(),
+                .collect();
+            Json(ChatResponse {
+                id,
+                object: "chat.completion".into(),
+                created,
+                model: req.model.clone(),
+                choices,
+                usage,
+            })
+            .into_response()
+        }
+    }
+}
+
+/// The assistant's message for `text`: with tools in play, the tool calls in it are parsed
+/// out and a finished answer that holds calls ends with `tool_calls`.
+fn assistant_message(
+    req: &ValidRequest,
+    text: String,
+    finish: Option<String>,
+    id_base: &str,
+) -> (ChatMessageOut, Option<String>) {
+    match req.tools.as_ref().filter(|t| t.parses_calls()) {
+        None => (
+            ChatMessageOut {
+                role: "assistant".into(),
+                content: Some(text),
+                tool_calls: None,
+            },
+            finish,
+        ),
+        Some(_) => {
+            let parsed = crate::tools::parse_output(&text, &id_base.replace('-', ""));
+            let calls = (!parsed.calls.is_empty()).then_some(parsed.calls);
+            let finish = match (&calls, finish.as_deref()) {
+                (Some(_), Some("stop")) => Some("tool_calls".to_string()),
+                _ => finish,
+            };
+            (
+                ChatMessageOut {
+                    role: "assistant".into(),
+                    content: parsed.content,
+                    tool_calls: calls,
+                },
+                finish,
+            )
+        }
     }
 }
 
@@ -735,6 +775,9 @@ struct StreamState {
     usage: Usage,
     /// The echoed prompt (completions' `echo`), sent in each choice's first chunk.
     echo: String,
+    /// Per choice, with tools in play: the text held back until the choice ends, when its
+    /// tool calls are parsed out of it.
+    held: Vec<String>,
     /// Events left to send after the last token: usage, [DONE].
     tail: Vec<Event>,
     finished: bool,
@@ -779,6 +822,7 @@ impl StreamState {
             open: n,
             usage: Usage::new(0, 0, 0),
             echo,
+            held: vec![String::new(); n],
             tail: Vec::new(),
             finished: false,
             abort_reason: "client_disconnect",
@@ -992,6 +1036,49 @@ fn chunk(st: &mut StreamState, index: usize, o: &RequestOutput) -> Event {
                 usage: None,
             })
         }
+        Endpoint::Chat if st.req.tools.as_ref().is_some_and(|t| t.parses_calls()) => {
+            if let Some(h) = st.held.get_mut(index) {
+                h.push_str(&o.text);
+            }
+            if o.finish_reason.is_none() {
+                // Nothing is sent until the choice ends: a comment keeps the stream moving.
+                return Event::default().comment("");
+            }
+            let text = st
+                .held
+                .get_mut(index)
+                .map(std::mem::take)
+                .unwrap_or_default();
+            let (message, finish) =
+                assistant_message(&st.req, text, finish, &format!("{}_{index}", st.id));
+            let calls = message.tool_calls.map(|calls| {
+                calls
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, mut c)| {
+                        c["index"] = json!(i);
+                        c
+                    })
+                    .collect()
+            });
+            json_event(&ChatChunk {
+                id: st.id.clone(),
+                object: "chat.completion.chunk".into(),
+                created: st.created,
+                model: st.req.model.clone(),
+                choices: vec![ChatChunkChoice {
+                    index,
+                    delta: ChatDelta {
+                        role: Some("assistant".to_string()),
+                        content: message.content,
+                        tool_calls: calls,
+                    },
+                    logprobs: None,
+                    finish_reason: finish,
+                }],
+                usage: None,
+            })
+        }
         Endpoint::Chat => {
             let role = first.then(|| "assistant".to_string());
             json_event(&ChatChunk {
@@ -1004,6 +1091,7 @@ fn chunk(st: &mut StreamState, index: usize, o: &RequestOutput) -> Event {
                     delta: ChatDelta {
                         role,
                         content: Some(o.text.clone()),
+                        tool_calls: None,
                     },
                     logprobs: st
                         .upstream
@@ -1046,7 +1134,7 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Body) -> Respons
                 let generation = flag("add_generation_prompt", true)?;
                 let m = Arc::clone(&m);
                 on_blocking_pool(&state.tokenizing, move || {
-                    m.encode_chat(&messages, generation)
+                    m.encode_chat(&messages, None, generation)
                 })
                 .await??
             }

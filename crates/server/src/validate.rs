@@ -67,6 +67,8 @@ pub struct ValidRequest {
     pub n: usize,
     /// Completions' `echo`: the prompt's text comes back before the completion.
     pub echo: bool,
+    /// Chat `tools` and `tool_choice` (`None` without tools).
+    pub tools: Option<crate::tools::Tools>,
     /// vLLM's `return_tokens_as_token_ids`: log-probability listings name each token as
     /// `token_id:<id>` instead of its text, so a client can recover the exact ids.
     pub tokens_as_ids: bool,
@@ -136,7 +138,25 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
         ));
     }
     let guide = guide(obj)?;
-    for key in ["suffix", "tools", "functions"] {
+    let tools = crate::tools::parse(obj)?;
+    if tools.is_some() && endpoint != Endpoint::Chat {
+        return Err(ApiError::invalid(
+            "tools",
+            "`tools` applies to /v1/chat/completions only",
+        ));
+    }
+    if let (Some(t), Some(_)) = (&tools, &guide) {
+        if matches!(
+            t.choice,
+            crate::tools::ToolChoice::Required | crate::tools::ToolChoice::Named(_)
+        ) {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "a required tool call already fixes the output's form; drop the output constraint",
+            ));
+        }
+    }
+    for key in ["suffix", "functions"] {
         match obj.get(key) {
             None | Some(Value::Null) => {}
             Some(Value::Object(m)) if m.is_empty() => {}
@@ -276,6 +296,12 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
             (on, top.unwrap_or(0))
         }
     };
+    if logprobs && stream && tools.as_ref().is_some_and(|t| t.parses_calls()) {
+        return Err(ApiError::unsupported(
+            "logprobs",
+            "a streamed answer with tools is sent whole when it ends (its calls are parsed first); log-probabilities are not streamed with it",
+        ));
+    }
     if echo && logprobs {
         return Err(ApiError::unsupported(
             "echo",
@@ -331,6 +357,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
         logprobs,
         n: n as usize,
         echo,
+        tools,
         tokens_as_ids,
     })
 }
@@ -676,7 +703,19 @@ pub(crate) fn messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> 
                     ))
                 }
             };
-            Ok(ChatMessage { role, content })
+            let mut message = ChatMessage::new(role, content);
+            if let Some(calls) = o.get("tool_calls").filter(|c| !c.is_null()) {
+                message.tool_calls = Some(crate::tools::history_calls(
+                    calls,
+                    &format!("{at}.tool_calls"),
+                )?);
+            }
+            message.tool_call_id = o
+                .get("tool_call_id")
+                .and_then(Value::as_str)
+                .map(str::to_string);
+            message.name = o.get("name").and_then(Value::as_str).map(str::to_string);
+            Ok(message)
         })
         .collect()
 }

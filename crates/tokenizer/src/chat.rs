@@ -33,6 +33,16 @@ const NAME: &str = "chat";
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's tool calls, as templates read them: a list of
+    /// `{"type": "function", "function": {"name", "arguments": {...}}}` with the arguments as
+    /// an object (OpenAI sends them as a JSON string; Hugging Face templates expect a mapping).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A `tool` turn's call id and function name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -40,6 +50,9 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
 }
@@ -80,6 +93,7 @@ impl ChatTemplate {
     pub(crate) fn render(
         &self,
         messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
         bos_token: &str,
         eos_token: &str,
@@ -93,6 +107,7 @@ impl ChatTemplate {
         let rendered = template.render_captured_to(
             context! {
                 messages => messages,
+                tools => tools,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => bos_token,
                 eos_token => eos_token,
@@ -163,6 +178,7 @@ fn render(
 ) -> Result<String> {
     ChatTemplate::new(template.to_string())?.render(
         messages,
+        None,
         add_generation_prompt,
         bos_token,
         eos_token,

@@ -206,6 +206,21 @@ impl Tokenizer {
         self.vocab.piece(id).map(str::to_owned)
     }
 
+    /// Whether the chat template renders tool definitions (it reads a `tools` variable).
+    pub fn chat_template_supports_tools(&self) -> bool {
+        self.chat_template
+            .as_ref()
+            .is_some_and(|t| t.source().contains("tools"))
+    }
+
+    /// The id of `text` when it is one control or user-defined token (such as Qwen's
+    /// `<tool_call>`), which the tokenizer splits out of text whole.
+    pub fn special_token_id(&self, text: &str) -> Option<u32> {
+        self.vocab
+            .id(text)
+            .filter(|&id| self.vocab.attr(id).is_some_and(|a| a.is_special()))
+    }
+
     pub fn chat_template(&self) -> Option<&str> {
         self.chat_template.as_ref().map(ChatTemplate::source)
     }
@@ -222,6 +237,17 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`Tokenizer::apply_chat_template`] with OpenAI-style `tools` (a list of
+    /// `{"type": "function", "function": {...}}`) given to the template as `tools`.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self
             .chat_template
             .as_ref()
@@ -229,6 +255,7 @@ impl Tokenizer {
         let text = |id: Option<u32>| id.and_then(|i| self.vocab.piece(i)).unwrap_or_default();
         template.render(
             messages,
+            tools,
             add_generation_prompt,
             text(self.specials.bos),
             text(self.specials.eos),
