@@ -147,19 +147,19 @@ pub fn parse(obj: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
     }
     let choice = match obj.get("tool_choice") {
         None | Some(Value::Null) => ToolChoice::Auto,
-        Some(Value::String(s)) => {
-            match s.as_str() {
-                "none" => ToolChoice::None,
-                "auto" => ToolChoice::Auto,
-                "required" => ToolChoice::Required,
-                other => return Err(ApiError::invalid(
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::invalid(
                     "tool_choice",
                     format!(
                         "unknown `tool_choice` {other:?}: use none, auto, required or a function"
                     ),
-                )),
+                ))
             }
-        }
+        },
         Some(v) => {
             let name = v["function"]["name"].as_str().ok_or_else(|| {
                 ApiError::invalid(
