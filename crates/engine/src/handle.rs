@@ -131,7 +131,7 @@ impl EngineInfo {
         vocab_size: usize,
         tokenizer: Arc<Tokenizer>,
     ) -> Self {
-        let grammar = Arc::new(GrammarCompiler::new(Arc::clone(&tokenizer), vocab_size));
+        let grammar = Arc::new(GrammarCompiler::new(Arc::clone(&tokenizer)));
         Self {
             model: model.into(),
             n_layers,

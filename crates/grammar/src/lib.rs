@@ -48,25 +48,21 @@ pub const MAX_CHOICES: usize = 1024;
 /// of milliseconds for 150k tokens) and shared by every request after.
 pub struct GrammarCompiler {
     tokenizer: Arc<Tokenizer>,
-    /// Logit rows are this long (at least the tokenizer's vocabulary).
-    logits_len: usize,
     factory: OnceLock<std::result::Result<ParserFactory, GrammarError>>,
 }
 
 impl std::fmt::Debug for GrammarCompiler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GrammarCompiler")
-            .field("logits_len", &self.logits_len)
             .field("ready", &self.factory.get().is_some())
             .finish()
     }
 }
 
 impl GrammarCompiler {
-    pub fn new(tokenizer: Arc<Tokenizer>, logits_len: usize) -> Self {
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Self {
         Self {
             tokenizer,
-            logits_len,
             factory: OnceLock::new(),
         }
     }
@@ -128,10 +124,7 @@ impl GrammarCompiler {
         if let Some(e) = matcher.get_error() {
             return Err(invalid(e));
         }
-        Ok(Constraint {
-            matcher,
-            logits_len: self.logits_len,
-        })
+        Ok(Constraint { matcher })
     }
 }
 
@@ -146,7 +139,6 @@ fn compact(mut schema: serde_json::Value) -> serde_json::Value {
 /// One request's constraint as it generates.
 pub struct Constraint {
     matcher: Matcher,
-    logits_len: usize,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -187,8 +179,7 @@ impl Constraint {
             }
         }
         // Ids past the tokenizer's vocabulary (padding rows of the output matrix).
-        let covered = (mask.as_slice().len() * 32).min(mask.len()).min(n);
-        logits[covered.min(self.logits_len)..].fill(f32::NEG_INFINITY);
+        logits[mask.len().min(n)..].fill(f32::NEG_INFINITY);
         Ok(())
     }
 

@@ -1009,7 +1009,6 @@ fn chunk(st: &mut StreamState, index: usize, o: &RequestOutput) -> Event {
     if let Some(s) = st.started.get_mut(index) {
         *s = true;
     }
-    let tokens = Tokens::of(o);
     match st.req.endpoint {
         Endpoint::Completions => {
             let echo = if first { st.echo.as_str() } else { "" };
@@ -1018,7 +1017,7 @@ fn chunk(st: &mut StreamState, index: usize, o: &RequestOutput) -> Event {
                 .upstream
                 .local()
                 .filter(|_| st.req.logprobs)
-                .map(|m| completion_logprobs(m, &tokens, offset, st.req.tokens_as_ids));
+                .map(|m| completion_logprobs(m, &Tokens::of(o), offset, st.req.tokens_as_ids));
             if let Some(at) = st.offset.get_mut(index) {
                 *at += echo.len() + o.text.len();
             }
@@ -1097,7 +1096,7 @@ fn chunk(st: &mut StreamState, index: usize, o: &RequestOutput) -> Event {
                         .upstream
                         .local()
                         .filter(|_| st.req.logprobs)
-                        .map(|m| chat_logprobs(m, &tokens)),
+                        .map(|m| chat_logprobs(m, &Tokens::of(o))),
                     finish_reason: finish,
                 }],
                 usage: None,

@@ -54,14 +54,11 @@ fn sampled_ids(v: &Value) -> Vec<u32> {
 }
 
 fn greedy(max_tokens: usize, extra: Value) -> Value {
-    let mut body = json!({
+    let body = json!({
         "model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
         "logprobs": 20, "return_tokens_as_token_ids": true,
     });
-    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
-        b.extend(e.clone());
-    }
-    body
+    common::merged(body, &extra)
 }
 
 /// Biasing tokens by b changes every log-probability to lp + b_i − log Σ_j p_j e^{b_j}; for
@@ -330,12 +327,9 @@ async fn min_tokens_stop_token_ids_echo_and_max_completion_tokens() {
 
     // min_tokens: a chat answer that ends on its own goes on to at least min_tokens tokens.
     let chat = |extra: Value| {
-        let mut b = json!({"model": MODEL, "messages": [{"role": "user", "content": "Say OK."}],
-                           "max_tokens": 60, "temperature": 0});
-        if let (Some(b), Some(e)) = (b.as_object_mut(), extra.as_object()) {
-            b.extend(e.clone());
-        }
-        b.to_string()
+        let b = json!({"model": MODEL, "messages": [{"role": "user", "content": "Say OK."}],
+                       "max_tokens": 60, "temperature": 0});
+        common::merged(b, &extra).to_string()
     };
     let (_, _, short) = post(&s.base, "/v1/chat/completions", chat(json!({})), JSON, None).await;
     let n = short["usage"]["completion_tokens"]

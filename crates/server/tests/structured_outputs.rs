@@ -142,12 +142,9 @@ async fn regex_choice_grammar_and_json_object_hold_and_bad_guides_get_400() {
     let s = start("").await;
     let m = common::MODEL;
     let ask = |content: &str, extra: Value| {
-        let mut b = json!({"model": m, "messages": [{"role": "user", "content": content}],
-                           "max_tokens": 40, "temperature": 0.8});
-        if let (Some(b), Some(e)) = (b.as_object_mut(), extra.as_object()) {
-            b.extend(e.clone());
-        }
-        b
+        let b = json!({"model": m, "messages": [{"role": "user", "content": content}],
+                       "max_tokens": 40, "temperature": 0.8});
+        common::merged(b, &extra)
     };
     let phone = regex_lite(r"^[0-9]{3}-[0-9]{4}$");
     let choices = ["yes", "no", "maybe"];

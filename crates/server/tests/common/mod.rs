@@ -186,3 +186,11 @@ pub async fn streamed_text(
     assert_eq!(s.status, 200);
     (s.text, s.chunks)
 }
+
+/// `base` with `extra`'s fields added (a request body and its per-case parameters).
+pub fn merged(mut base: serde_json::Value, extra: &serde_json::Value) -> serde_json::Value {
+    if let (Some(b), Some(e)) = (base.as_object_mut(), extra.as_object()) {
+        b.extend(e.clone());
+    }
+    base
+}
