@@ -9,9 +9,11 @@ use indicatif::{ProgressBar, ProgressStyle};
 use switchyard_exits::file;
 use switchyard_modes::bench::{self, ModesBenchOptions};
 use switchyard_modes::gptq::GptqSettings;
+use switchyard_modes::router_trace::{TraceClass, TraceOptions};
 use switchyard_modes::serve::{ModeAssets, DEFAULT_SPEC_K};
 use switchyard_modes::{assets, bench::ModesReport};
 use switchyard_request::{Mode, Precision};
+use switchyard_router::Gate;
 use switchyard_tokenizer::Tokenizer;
 
 use crate::output::write_json;
@@ -60,6 +62,10 @@ pub struct BenchModesArgs {
     mc_items: usize,
     #[arg(long, default_value_t = 5)]
     gsm8k_items: usize,
+    /// Tokens of held-out ShareGPT text each precision's bits per byte is measured on
+    /// (32,768 tokens are about 120,000 bytes for SmolLM2's tokenizer).
+    #[arg(long, default_value_t = 32_768)]
+    bpb_tokens: usize,
     /// GPTQ's dampening, as a fraction of the Hessian's mean diagonal (`q4-gptq`).
     #[arg(long, default_value_t = GptqSettings::default().damp)]
     gptq_damp: f64,
@@ -110,8 +116,70 @@ pub struct BenchRouterArgs {
     /// the server's `[modeswitch] learned_router`.
     #[arg(long, value_name = "DIR")]
     save_routers: Option<PathBuf>,
+    /// Requests of the Poisson trace every router is also replayed on (0: no trace).
+    #[arg(long, default_value_t = 200)]
+    trace_requests: usize,
+    /// Mean arrivals per second of the trace.
+    #[arg(long, default_value_t = 1.0)]
+    trace_rate: f64,
+    /// Class mix of the trace: chat, long-generation, shared-prefix, long-prompt, math,
+    /// multiple-choice, as `class=weight,...`.
+    #[arg(long, default_value = switchyard_modes::router_trace::DEFAULT_MIX)]
+    trace_mix: String,
+    #[arg(long, default_value_t = 1)]
+    trace_seed: u64,
+    #[command(flatten)]
+    gate: GateArgs,
     #[command(flatten)]
     modes: BenchModesArgs,
+}
+
+/// The quality gate's bounds (`[router.gate]`).
+#[derive(Args)]
+pub struct GateArgs {
+    /// Read the gate from the `[router.gate]` table of this TOML file (the flags below
+    /// override its bounds).
+    #[arg(long, value_name = "FILE")]
+    gate: Option<PathBuf>,
+    /// Largest relative bits-per-byte increase over f16 (0.05 = +5 %).
+    #[arg(long)]
+    max_bpb_increase: Option<f64>,
+    /// The lower end of each paired 95 % accuracy interval must be above minus this.
+    #[arg(long)]
+    max_accuracy_drop: Option<f64>,
+}
+
+impl GateArgs {
+    pub fn gate(&self) -> anyhow::Result<Gate> {
+        #[derive(serde::Deserialize)]
+        struct File {
+            router: Table,
+        }
+        #[derive(serde::Deserialize)]
+        struct Table {
+            #[serde(default)]
+            gate: Gate,
+        }
+        let mut gate = match &self.gate {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("reading {}", p.display()))?;
+                toml::from_str::<File>(&text)
+                    .with_context(|| format!("{}: [router.gate]", p.display()))?
+                    .router
+                    .gate
+            }
+            None => Gate::default(),
+        };
+        if let Some(b) = self.max_bpb_increase {
+            gate.max_bpb_increase = b;
+        }
+        if let Some(d) = self.max_accuracy_drop {
+            gate.max_accuracy_drop_points = d;
+        }
+        gate.validate()?;
+        Ok(gate)
+    }
 }
 
 /// `switchyard bench router`: the mixed workload under fixed f16, rules, learned routers
@@ -128,10 +196,19 @@ pub fn run_router(a: BenchRouterArgs, _threads: usize) -> anyhow::Result<()> {
     if let Some(dir) = &a.save_routers {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
+    let gate = a.gate.gate()?;
+    let trace = TraceOptions {
+        requests: a.trace_requests,
+        rate: a.trace_rate,
+        mix: TraceClass::parse_mix(&a.trace_mix)?,
+        seed: a.trace_seed,
+    };
     let r = switchyard_modes::router_bench::run(
         &assets,
         &matrix,
         &opts,
+        &gate,
+        Some(&trace),
         a.save_routers.as_deref(),
         |m| eprintln!("[{:>6.0} s] {m}", started.elapsed().as_secs_f64()),
     )?;
@@ -152,8 +229,8 @@ fn options(a: &BenchModesArgs, modes: Vec<Mode>) -> ModesBenchOptions {
         pressure_claim: a.pressure_claim,
         mc_items: a.mc_items,
         gsm8k_items: a.gsm8k_items,
+        bpb_tokens: a.bpb_tokens,
         only: a.workloads.clone().unwrap_or_default(),
-        ..ModesBenchOptions::default()
     }
 }
 

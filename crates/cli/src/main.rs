@@ -16,6 +16,7 @@ mod models;
 mod offline;
 mod output;
 mod profile;
+mod router;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -50,6 +51,9 @@ enum Command {
     /// Measure speed.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Fit the ModeSwitch router's policy to a measured mode matrix.
+    #[command(subcommand)]
+    Router(router::RouterCommand),
     /// Serve models over the OpenAI API (HTTP).
     Serve(serve::ServeArgs),
     /// Fit exit heads (tuned lens) for a model by ridge regression over a corpus.
@@ -68,6 +72,7 @@ fn main() {
         Command::Models(c) => models::run(c),
         Command::Generate(a) => generate::run(a),
         Command::Eval(c) => eval::run(c),
+        Command::Router(c) => router::run(c),
         Command::Bench(c) => bench::run(c, threads),
         Command::Serve(a) => serve::run(a),
         Command::Calibrate(a) => exits::run_calibrate(a),

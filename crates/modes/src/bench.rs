@@ -102,25 +102,8 @@ impl Default for ModesBenchOptions {
 
 /// Builds the workloads from ShareGPT text tokenized for `tokenizer`.
 pub fn workloads(tokenizer: &Tokenizer, opts: &ModesBenchOptions) -> Result<Vec<Workload>> {
-    let path = switchyard_zoo::ensure("sharegpt")?;
-    let mut stream: Vec<u32> = Vec::new();
     let need = (4 * opts.requests + 8) * 1024 + opts.batch_requests * 128;
-    let records = sharegpt::records(&path).map_err(|e| ModesError::Invalid(e.to_string()))?;
-    for conv in records {
-        let conv = conv.map_err(|e| ModesError::Invalid(e.to_string()))?;
-        for t in &conv.conversations {
-            stream.extend(tokenizer.encode(&t.value, false, false)?);
-        }
-        if stream.len() >= need {
-            break;
-        }
-    }
-    if stream.len() < need {
-        return Err(ModesError::Invalid(format!(
-            "ShareGPT gave {} tokens; the workloads need {need}",
-            stream.len()
-        )));
-    }
+    let stream = sharegpt_tokens(tokenizer, need)?;
     let mut at = 0;
     let mut take = |n: usize| {
         let p = stream[at..at + n].to_vec();
@@ -200,6 +183,29 @@ pub fn workloads(tokenizer: &Tokenizer, opts: &ModesBenchOptions) -> Result<Vec<
     Ok(out)
 }
 
+/// At least `need` tokens of ShareGPT text, the conversations in file order, turns joined.
+pub fn sharegpt_tokens(tokenizer: &Tokenizer, need: usize) -> Result<Vec<u32>> {
+    let path = switchyard_zoo::ensure("sharegpt")?;
+    let mut stream: Vec<u32> = Vec::new();
+    let records = sharegpt::records(&path).map_err(|e| ModesError::Invalid(e.to_string()))?;
+    for conv in records {
+        let conv = conv.map_err(|e| ModesError::Invalid(e.to_string()))?;
+        for t in &conv.conversations {
+            stream.extend(tokenizer.encode(&t.value, false, false)?);
+        }
+        if stream.len() >= need {
+            break;
+        }
+    }
+    if stream.len() < need {
+        return Err(ModesError::Invalid(format!(
+            "ShareGPT gave {} tokens; the workloads need {need}",
+            stream.len()
+        )));
+    }
+    Ok(stream)
+}
+
 /// One mode on one workload.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Cell {
@@ -210,6 +216,10 @@ pub struct Cell {
     pub latency_mean_s: f64,
     pub latency_p50_s: f64,
     pub latency_p99_s: f64,
+    /// Half-width of the mean latency's 95% interval over the mean (t-free normal
+    /// approximation; `None` with fewer than two requests).
+    #[serde(default)]
+    pub latency_ci95_rel: Option<f64>,
     pub output_tokens: usize,
     pub duration_s: f64,
     pub output_tokens_per_s: f64,
@@ -232,6 +242,13 @@ pub struct ModeQuality {
     pub accuracy_points: Option<f64>,
     /// Against f16 on the same items, with a paired 95% interval (points).
     pub accuracy_delta_points: Option<(f64, f64, f64)>,
+    /// Per task, against f16 on the same items: paired 95% interval and McNemar's test (what
+    /// the router's quality gate reads).
+    #[serde(default)]
+    pub paired: std::collections::BTreeMap<String, switchyard_router::PairedDelta>,
+    /// Bytes of held-out text `bits_per_byte` was measured on.
+    #[serde(default)]
+    pub bpb_bytes: Option<usize>,
     /// How this mode's quality was obtained when it is not measured directly.
     pub note: Option<String>,
 }
@@ -387,6 +404,7 @@ fn failed(mode: Mode, w: &Workload, error: String) -> Cell {
         latency_mean_s: 0.0,
         latency_p50_s: 0.0,
         latency_p99_s: 0.0,
+        latency_ci95_rel: None,
         output_tokens: 0,
         duration_s: 0.0,
         output_tokens_per_s: 0.0,
@@ -484,6 +502,7 @@ fn run_cell(
             latency_mean_s: mean,
             latency_p50_s: median(&latencies),
             latency_p99_s: percentile(&latencies, 99.0),
+            latency_ci95_rel: mean_ci95_rel(&latencies),
             output_tokens: tokens,
             duration_s: duration,
             output_tokens_per_s: tokens as f64 / duration,
@@ -493,6 +512,17 @@ fn run_cell(
         },
         texts,
     ))
+}
+
+/// Half-width of the 95% interval of the mean of `xs`, relative to the mean.
+pub fn mean_ci95_rel(xs: &[f64]) -> Option<f64> {
+    let n = xs.len();
+    if n < 2 {
+        return None;
+    }
+    let mean = xs.iter().sum::<f64>() / n as f64;
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    (mean > 0.0).then(|| quality::Z95 * (var / n as f64).sqrt() / mean)
 }
 
 /// Memory the mode actually uses: weights, KV blocks holding positions (the pool itself is
@@ -526,7 +556,12 @@ fn score_quality(
     let mut items = Vec::new();
     if opts.mc_items > 0 {
         for task in [McTask::ArcChallenge, McTask::Hellaswag, McTask::Mmlu] {
-            items.push((task, quality::load_mc(task, opts.mc_items, Pick::First)?));
+            // MMLU's file is sorted by subject: a seeded draw spreads the items over them.
+            let pick = match task {
+                McTask::Mmlu => Pick::Seeded(1),
+                _ => Pick::First,
+            };
+            items.push((task, quality::load_mc(task, opts.mc_items, pick)?));
         }
     }
     // Model-level scores per precision used by any mode.
@@ -579,11 +614,21 @@ fn score_quality(
                 mode.precision().name()
             )),
         };
-        let gsm_items = own_gsm.or_else(|| {
-            gsm.iter()
-                .find(|(m, _)| *m == Mode::F16)
-                .map(|g| g.1.clone())
-        });
+        // A mode that changes scheduling only answers as its precision's mode does (same
+        // logits, greedy); f16's answers stand in only where that precision generated none.
+        let gsm_items = own_gsm
+            .or_else(|| {
+                gsm.iter()
+                    .find(|(m, _)| {
+                        m.precision() == mode.precision() && quality_source(*m).is_some()
+                    })
+                    .map(|g| g.1.clone())
+            })
+            .or_else(|| {
+                gsm.iter()
+                    .find(|(m, _)| *m == Mode::F16)
+                    .map(|g| g.1.clone())
+            });
         if let Some(v) = gsm_items {
             tasks.push(task_score("gsm8k", v));
         }
@@ -618,8 +663,38 @@ fn score_quality(
                 }
                 (a.len() >= 2).then(|| quality::paired_diff95(&a, &b))
             });
+        let mut paired = std::collections::BTreeMap::new();
+        for t in &tasks {
+            let base_items = if t.task == "gsm8k" {
+                f16_gsm.cloned()
+            } else {
+                by_precision
+                    .iter()
+                    .find(|(p, ..)| *p == Precision::F16)
+                    .and_then(|(_, _, base)| base.iter().find(|x| x.task == t.task))
+                    .map(|bt| bt.per_item.clone())
+            };
+            if let Some(b) = base_items.filter(|b| b.len() == t.per_item.len() && b.len() >= 2) {
+                let (delta, lo, hi) = quality::paired_diff95(&t.per_item, &b);
+                let m = quality::mcnemar(&t.per_item, &b);
+                paired.insert(
+                    t.task.clone(),
+                    switchyard_router::PairedDelta {
+                        n: b.len(),
+                        delta_points: delta,
+                        lo_points: lo,
+                        hi_points: hi,
+                        only_mode: m.only_a,
+                        only_baseline: m.only_b,
+                        mcnemar_p: m.p_value,
+                    },
+                );
+            }
+        }
         out.push(ModeQuality {
             mode,
+            paired,
+            bpb_bytes: Some(held_out.len()),
             bits_per_byte: *bpb,
             rouge_l_vs_f16: rouge,
             tasks,

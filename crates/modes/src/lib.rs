@@ -14,6 +14,7 @@ pub mod gptq;
 pub mod overlay;
 pub mod precision;
 pub mod router_bench;
+pub mod router_trace;
 pub mod self_speculative;
 pub mod serve;
 pub mod speculative;

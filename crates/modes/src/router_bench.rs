@@ -1,13 +1,17 @@
-//! `switchyard bench router`: one mixed workload served by fixed f16, the rule router, each
-//! learned router and the oracle, in one run.
+//! `switchyard bench router`: one mixed workload served by every fixed mode, the paper's rule
+//! router, the rules `router fit` fits to the matrix, each learned router and the oracle, in
+//! one run.
 //!
-//! The oracle and the learned routers read the mode × workload matrix that `bench modes`
-//! measured for the same model (its JSON). The learned routers are trained to imitate the
-//! oracle on request features drawn at random over the feature space (seeded) and scored on
-//! held-out ones; then every router routes the same mixed requests (the matrix's workloads,
-//! labelled), each request is served in the routed mode, and the table reports the mean
-//! latency speedup over f16, the accuracy delta of the chosen modes (from the matrix's
-//! quality), constraint violations, and the routing overhead per decision.
+//! The oracle, the fit and the learned routers read the mode × workload matrix that
+//! `bench modes` measured for the same model (its JSON), with each mode's quality against f16
+//! for the quality gate ([`Gate`]). The learned routers are trained to imitate the oracle on
+//! request features drawn at random over the feature space (seeded) and scored on held-out
+//! ones; then every router routes the same mixed requests (the matrix's workloads, plus GSM8K
+//! and MMLU questions, labelled), each request is served in the routed mode (one at a time; a
+//! mode's latency on a request is measured once and shared by every router that picks it), and
+//! the table reports the mean latency speedup over f16, gate violations, latency per class,
+//! the routing overhead per decision, the best gate-passing fixed mode and the routing
+//! headroom (that mode's mean latency over the oracle's).
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -16,11 +20,16 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde::Serialize;
 use switchyard_request::{Mode, SamplingParams};
 use switchyard_router::{
-    CellMeasure, Constraints, Decision, FixedRouter, LearnedKind, LearnedRouter, ModeMatrix,
-    ModeSet, Oracle, RequestFeatures, Router, RulesRouter,
+    fit, CellMeasure, Constraints, Decision, FitReport, FixedRouter, Gate, LearnedKind,
+    LearnedRouter, ModeMatrix, ModeSet, Oracle, QualityMeasure, RequestFeatures, Router,
+    RuleConfig, RulesRouter,
 };
 
+use switchyard_bench::quality::{self, McTask, Pick};
+use switchyard_bench::stats::{median, percentile};
+
 use crate::bench::{workloads, ModesBenchOptions, ModesReport};
+use crate::router_trace::{self, TraceClass, TraceOptions, TraceRow};
 use crate::serve::{ModeAssets, ModeServer};
 use crate::{ModesError, Result};
 
@@ -28,7 +37,8 @@ use crate::{ModesError, Result};
 pub const TRAIN_REQUESTS: usize = 400;
 pub const HELD_OUT_REQUESTS: usize = 200;
 
-/// The matrix as the oracle reads it: cells by workload, latency, memory, accuracy points.
+/// The matrix as the oracle reads it: cells by workload, latency, memory, accuracy points,
+/// and each mode's quality against f16 (bits per byte, paired task intervals) for the gate.
 /// A workload where f16 itself did not run (it did not fit) has no baseline to gate against
 /// and is left out; the oracle maps its requests to the nearest measured cell.
 pub fn matrix_of(report: &ModesReport) -> ModeMatrix {
@@ -58,6 +68,16 @@ pub fn matrix_of(report: &ModesReport) -> ModeMatrix {
                 peak_memory_bytes: c.peak_memory_bytes,
                 accuracy_points: accuracy,
                 quality_points: None,
+            },
+        );
+    }
+    for q in &report.quality {
+        m.quality.insert(
+            q.mode,
+            QualityMeasure {
+                bits_per_byte: q.bits_per_byte,
+                bpb_bytes: q.bpb_bytes,
+                tasks: q.paired.clone(),
             },
         );
     }
@@ -112,6 +132,8 @@ pub fn random_features(n: usize, seed: u64) -> Vec<RequestFeatures> {
 #[derive(Debug, Clone, Serialize)]
 pub struct RouterRow {
     pub router: String,
+    /// `fixed`, `rules`, `fitted`, `learned` or `oracle`.
+    pub kind: String,
     pub requests: usize,
     pub mean_latency_s: f64,
     /// f16's mean latency over this router's (same requests).
@@ -120,8 +142,8 @@ pub struct RouterRow {
     pub energy_ratio: Option<f64>,
     /// Mean over requests of the chosen mode's accuracy minus f16's (matrix points).
     pub accuracy_delta_points: Option<f64>,
-    /// Requests routed to a mode that breaks a constraint in their cell (accuracy drop over
-    /// 1.5 points, memory over the limit) or that failed and fell back.
+    /// Requests routed to a mode that fails the quality gate or a constraint for their class
+    /// and cell, or that fell back.
     pub constraint_violations: usize,
     pub fallbacks: usize,
     /// Mean time of the decision alone, microseconds.
@@ -129,6 +151,17 @@ pub struct RouterRow {
     /// Held-out agreement with the oracle (learned routers).
     pub held_out_accuracy: Option<f64>,
     pub modes_chosen: BTreeMap<String, usize>,
+    /// Per class of requests: (requests, mean, P50, P99 latency in seconds).
+    pub by_class: BTreeMap<String, (usize, f64, f64, f64)>,
+}
+
+/// Whether a mode passes the gate, per class of the mixed workload.
+#[derive(Debug, Clone, Serialize)]
+pub struct GateRow {
+    pub mode: Mode,
+    pub bits_per_byte: Option<f64>,
+    /// Class → the reasons it fails there (empty: passes).
+    pub classes: BTreeMap<String, Vec<String>>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -137,6 +170,46 @@ pub struct RouterReport {
     pub energy: String,
     pub rows: Vec<RouterRow>,
     pub constraints: Constraints,
+    pub gate: Gate,
+    pub gate_rows: Vec<GateRow>,
+    pub fit: FitReport,
+    /// The fastest fixed mode with no gate or constraint violation on this workload.
+    pub best_fixed: Option<String>,
+    /// Best gate-passing fixed mode's mean latency over the oracle's: what per-request routing
+    /// can gain at most here.
+    pub headroom: Option<f64>,
+    /// Best gate-passing fixed mode's mean latency over the fitted router's.
+    pub fitted_vs_best_fixed: Option<f64>,
+    /// The same routers under a Poisson trace, every mode's engine loaded at once.
+    pub trace: Option<TraceReport>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TraceReport {
+    pub requests: usize,
+    pub rate: f64,
+    pub mix: Vec<(TraceClass, f64)>,
+    pub rows: Vec<TraceRow>,
+    pub best_fixed: Option<String>,
+    pub headroom: Option<f64>,
+    pub fitted_vs_best_fixed: Option<f64>,
+}
+
+/// The fastest fixed row with no violation, and the headroom and fitted ratios against it:
+/// `(best, best / oracle, best / fitted)` in mean latency.
+fn best_fixed_of<'r>(
+    rows: impl Iterator<Item = (&'r str, &'r str, f64, bool)> + Clone,
+) -> (Option<String>, Option<f64>, Option<f64>) {
+    let best = rows
+        .clone()
+        .filter(|(_, kind, _, clean)| *kind == "fixed" && *clean)
+        .min_by(|a, b| a.2.total_cmp(&b.2));
+    let of = |k: &str| rows.clone().find(|(_, kind, ..)| *kind == k).map(|r| r.2);
+    (
+        best.map(|b| b.0.to_string()),
+        best.zip(of("oracle")).map(|(b, o)| b.2 / o),
+        best.zip(of("fitted")).map(|(b, f)| b.2 / f),
+    )
 }
 
 /// A request of the mixed workload: features, prompt, output length and its matrix cell.
@@ -172,46 +245,54 @@ fn mixed(assets: &ModeAssets, opts: &ModesBenchOptions) -> Result<Vec<MixedReque
             });
         }
     }
+    // Quality-sensitive classes: GSM8K questions (long answers) and MMLU questions (one
+    // token: the answer letter), labelled so routers and the gate see their class.
+    let n = opts.requests;
+    for item in quality::load_gsm8k(n, Pick::First)? {
+        let prompt = assets.tokenizer.encode(&item.prompt, true, false)?;
+        out.push(labelled(prompt, 128, "gsm8k"));
+    }
+    for item in quality::load_mc(McTask::Mmlu, n, Pick::Seeded(7))? {
+        let prompt = assets.tokenizer.encode(&item.context, true, false)?;
+        out.push(labelled(prompt, 1, "mmlu"));
+    }
     Ok(out)
 }
 
-/// Runs every router over the same mixed requests.
+fn labelled(prompt: Vec<u32>, output: usize, label: &str) -> MixedRequest {
+    MixedRequest {
+        features: RequestFeatures {
+            prompt_tokens: prompt.len(),
+            max_output_tokens: output,
+            workload: Some(label.to_string()),
+            ..RequestFeatures::default()
+        },
+        prompt,
+        output,
+    }
+}
+
+/// Runs every router over the same mixed requests: every fixed mode that loads, the paper's
+/// rules, the rules `router fit` fits to the matrix under `gate`, the learned routers and the
+/// oracle.
 pub fn run(
     assets: &ModeAssets,
     matrix_report: &ModesReport,
     opts: &ModesBenchOptions,
+    gate: &Gate,
+    trace: Option<&TraceOptions>,
     save_routers: Option<&std::path::Path>,
     mut progress: impl FnMut(&str),
 ) -> Result<RouterReport> {
+    let invalid = |e: switchyard_router::RouterError| ModesError::Invalid(e.to_string());
     let matrix = matrix_of(matrix_report);
     let constraints = Constraints::default();
     let oracle = Oracle::new(matrix.clone(), constraints.clone())
-        .map_err(|e| ModesError::Invalid(e.to_string()))?;
+        .and_then(|o| o.with_gate(gate.clone()))
+        .map_err(invalid)?;
+    let fitted = fit(&matrix, &constraints, gate, RuleConfig::default()).map_err(invalid)?;
     let train = oracle.label(&random_features(TRAIN_REQUESTS, 1));
     let held = oracle.label(&random_features(HELD_OUT_REQUESTS, 2));
-    let mut routers: Vec<(Box<dyn Router>, Option<f64>)> = vec![
-        (Box::new(FixedRouter::new(Mode::F16)), None),
-        (Box::new(RulesRouter::default()), None),
-    ];
-    for kind in LearnedKind::ALL {
-        let r = LearnedRouter::train(kind, &train, 7)
-            .map_err(|e| ModesError::Invalid(e.to_string()))?;
-        let acc = r.accuracy(&held);
-        if let Some(dir) = save_routers {
-            let path = dir.join(format!("{}.json", kind.name()));
-            r.save(&path)
-                .map_err(|e| ModesError::Invalid(e.to_string()))?;
-            progress(&format!("wrote {}", path.display()));
-        }
-        routers.push((Box::new(r), Some(acc)));
-    }
-    routers.push((
-        Box::new(
-            Oracle::new(matrix.clone(), constraints.clone())
-                .map_err(|e| ModesError::Invalid(e.to_string()))?,
-        ),
-        None,
-    ));
 
     let requests = mixed(assets, opts)?;
     // Modes that load within the budget are available to every router.
@@ -227,6 +308,46 @@ pub fn run(
             Err(e) => progress(&format!("{m} unavailable: {e}")),
         }
     }
+
+    // (label, kind, router, held-out agreement)
+    type Entry = (String, &'static str, Box<dyn Router>, Option<f64>);
+    let mut routers: Vec<Entry> = Vec::new();
+    for &m in servers.keys() {
+        routers.push((
+            format!("fixed {m}"),
+            "fixed",
+            Box::new(FixedRouter::new(m)),
+            None,
+        ));
+    }
+    routers.push((
+        "rules (the paper's priority order)".into(),
+        "rules",
+        Box::new(RulesRouter::default()),
+        None,
+    ));
+    routers.push((
+        "rules fitted to this matrix (router fit)".into(),
+        "fitted",
+        Box::new(RulesRouter::new(fitted.policy.clone())),
+        None,
+    ));
+    for kind in LearnedKind::ALL {
+        let r = LearnedRouter::train(kind, &train, 7).map_err(invalid)?;
+        let acc = r.accuracy(&held);
+        if let Some(dir) = save_routers {
+            let path = dir.join(format!("{}.json", kind.name()));
+            r.save(&path).map_err(invalid)?;
+            progress(&format!("wrote {}", path.display()));
+        }
+        routers.push((r.name(), "learned", Box::new(r), Some(acc)));
+    }
+    routers.push(("oracle".into(), "oracle", Box::new(oracle.clone()), None));
+
+    let classes: Vec<String> = requests
+        .iter()
+        .map(|r| oracle.class_for(&r.features))
+        .collect();
     let mut latency_by_mode_request: BTreeMap<(Mode, usize), f64> = BTreeMap::new();
     let mut rows = Vec::new();
     let accuracy = |m: Mode| {
@@ -237,8 +358,8 @@ pub fn run(
             .and_then(|q| q.accuracy_points)
     };
     let base_acc = accuracy(Mode::F16);
-    for (router, held_out_accuracy) in &routers {
-        progress(&format!("router {}", router.name()));
+    for (label, kind, router, held_out_accuracy) in &routers {
+        progress(&format!("router {label}"));
         let mut decisions: Vec<Decision> = Vec::new();
         let mut overhead = 0.0;
         for r in &requests {
@@ -251,6 +372,7 @@ pub fn run(
         let mut violations = 0;
         let mut chosen: BTreeMap<String, usize> = BTreeMap::new();
         let mut acc_delta = Vec::new();
+        let mut per_class: BTreeMap<String, Vec<f64>> = BTreeMap::new();
         for (i, (r, d)) in requests.iter().zip(&decisions).enumerate() {
             *chosen.entry(d.mode.to_string()).or_default() += 1;
             let l = match latency_by_mode_request.get(&(d.mode, i)) {
@@ -270,23 +392,21 @@ pub fn run(
                 }
             };
             lat.push(l);
+            per_class.entry(classes[i].clone()).or_default().push(l);
             if let (Some(a), Some(b)) = (accuracy(d.mode), base_acc) {
                 acc_delta.push(a - b);
             }
-            let cell = oracle.cell_for(&r.features);
-            let breaks = cell.and_then(|c| matrix.cells.get(c)).is_some_and(|cell| {
-                match (cell.get(&d.mode), cell.get(&Mode::F16)) {
-                    (Some(m), Some(base)) => !constraints.admits(m, base),
-                    _ => false,
-                }
-            });
-            if breaks || d.fallback {
+            let admitted = oracle
+                .cell_for(&r.features)
+                .is_some_and(|cell| oracle.admits(cell, &classes[i], d.mode));
+            if !admitted || d.fallback {
                 violations += 1;
             }
         }
         let mean = lat.iter().sum::<f64>() / lat.len().max(1) as f64;
         rows.push(RouterRow {
-            router: router.name(),
+            router: label.clone(),
+            kind: kind.to_string(),
             requests: requests.len(),
             mean_latency_s: mean,
             speedup_vs_f16: f64::NAN,
@@ -298,35 +418,126 @@ pub fn run(
             routing_overhead_us: 1e6 * overhead / requests.len().max(1) as f64,
             held_out_accuracy: *held_out_accuracy,
             modes_chosen: chosen,
+            by_class: per_class
+                .into_iter()
+                .map(|(c, ls)| {
+                    let m = ls.iter().sum::<f64>() / ls.len() as f64;
+                    (c, (ls.len(), m, median(&ls), percentile(&ls, 99.0)))
+                })
+                .collect(),
         });
     }
-    let f16 = rows.first().map(|r| r.mean_latency_s).unwrap_or(f64::NAN);
+    let f16_row = format!("fixed {}", Mode::F16);
+    let f16 = rows
+        .iter()
+        .find(|r| r.router == f16_row)
+        .map_or(f64::NAN, |r| r.mean_latency_s);
     for r in &mut rows {
         r.speedup_vs_f16 = f16 / r.mean_latency_s;
     }
+    let (best_fixed, headroom, fitted_vs_best_fixed) = best_fixed_of(rows.iter().map(|r| {
+        (
+            r.router.as_str(),
+            r.kind.as_str(),
+            r.mean_latency_s,
+            r.constraint_violations == 0,
+        )
+    }));
+    let trace = match trace {
+        Some(t) if t.requests > 0 => {
+            progress(&format!(
+                "trace: {} requests at {} per second",
+                t.requests, t.rate
+            ));
+            let reqs = router_trace::build(assets, t)?;
+            let mut engines = BTreeMap::new();
+            for (m, s) in std::mem::take(&mut servers) {
+                engines.insert(m, s.into_handle(assets, opts.budget)?);
+            }
+            let mut trace_rows = Vec::new();
+            for (label, kind, router, _) in &routers {
+                progress(&format!("trace: router {label}"));
+                let row =
+                    router_trace::replay(&reqs, label, kind, router.as_ref(), &engines, &oracle)?;
+                progress(&format!(
+                    "trace: {label}: mean {:.3} s, P99 {:.3} s, {} violations, {} failed",
+                    row.mean_latency_s, row.p99_latency_s, row.violations, row.failed
+                ));
+                trace_rows.push(row);
+            }
+            let (best, headroom, fitted) = best_fixed_of(trace_rows.iter().map(|r| {
+                (
+                    r.router.as_str(),
+                    r.kind.as_str(),
+                    r.mean_latency_s,
+                    r.violations == 0 && r.failed == 0,
+                )
+            }));
+            Some(TraceReport {
+                requests: reqs.len(),
+                rate: t.rate,
+                mix: t.mix.clone(),
+                rows: trace_rows,
+                best_fixed: best,
+                headroom,
+                fitted_vs_best_fixed: fitted,
+            })
+        }
+        _ => None,
+    };
+    let mut class_names: Vec<String> = classes.clone();
+    class_names.sort();
+    class_names.dedup();
+    let gate_rows = matrix
+        .quality
+        .iter()
+        .map(|(&mode, q)| GateRow {
+            mode,
+            bits_per_byte: q.bits_per_byte,
+            classes: class_names
+                .iter()
+                .map(|c| {
+                    let why = gate
+                        .failures(&matrix.quality, mode, c)
+                        .iter()
+                        .map(ToString::to_string)
+                        .collect();
+                    (c.clone(), why)
+                })
+                .collect(),
+        })
+        .collect();
     Ok(RouterReport {
         model: assets.name.clone(),
         energy: matrix_report.energy.clone(),
         rows,
         constraints,
+        gate: gate.clone(),
+        gate_rows,
+        fit: fitted,
+        best_fixed,
+        headroom,
+        fitted_vs_best_fixed,
+        trace,
     })
 }
 
 impl RouterReport {
     pub fn markdown(&self) -> String {
         let mut md = format!(
-            "# Router table: {}\n\nEnergy: {}.\n\n| router | requests | mean latency (s) | speedup vs f16 | energy ratio | accuracy Δ (points) | constraint violations | fallbacks | routing overhead (µs) | held-out agreement with the oracle | modes chosen |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
-            self.model, self.energy
+            "# Router table: {}\n\nEnergy: {}.\n\nQuality gate: bits per byte at most +{:.1} % over f16, and on the tasks that stand for a request's class the lower end of the paired 95 % interval above −{} points. A violation is a request served in a mode that fails the gate (or a constraint) for its class.\n\n| router | requests | mean latency (s) | speedup vs f16 | accuracy Δ (points) | gate violations | fallbacks | routing overhead (µs) | held-out agreement with the oracle | modes chosen |\n|---|---|---|---|---|---|---|---|---|---|\n",
+            self.model,
+            self.energy,
+            100.0 * self.gate.max_bpb_increase,
+            self.gate.max_accuracy_drop_points,
         );
         for r in &self.rows {
             md.push_str(&format!(
-                "| {} | {} | {:.3} | {:.2}x | {} | {} | {} | {} | {:.2} | {} | {} |\n",
+                "| {} | {} | {:.3} | {:.2}x | {} | {} | {} | {:.2} | {} | {} |\n",
                 r.router,
                 r.requests,
                 r.mean_latency_s,
                 r.speedup_vs_f16,
-                r.energy_ratio
-                    .map_or("not measurable here".into(), |e| format!("{e:.2}")),
                 r.accuracy_delta_points
                     .map_or("—".into(), |a| format!("{a:+.2}")),
                 r.constraint_violations,
@@ -341,6 +552,149 @@ impl RouterReport {
                     .join(", "),
             ));
         }
+        md.push('\n');
+        match (&self.best_fixed, self.headroom) {
+            (Some(best), Some(h)) => {
+                md.push_str(&format!(
+                    "Best fixed mode with no gate violation: **{best}**. Routing headroom (its mean latency over the oracle's): **{h:.3}x**.",
+                ));
+                if let Some(f) = self.fitted_vs_best_fixed {
+                    md.push_str(&format!(" The fitted router runs at **{f:.3}x** it."));
+                }
+                if h < 1.05 {
+                    md.push_str(" The headroom is below 1.05x: on this machine and model, per-request routing cannot pay over serving every request in that one mode.");
+                }
+                md.push('\n');
+            }
+            _ => md.push_str(
+                "No fixed mode served the whole workload without a gate violation (f16 was not loaded).\n",
+            ),
+        }
+        if let Some(t) = &self.trace {
+            md.push_str(&t.markdown());
+        }
+        md.push_str(
+            "\n## Latency per class, one request at a time (mean / P50 / P99, seconds)\n\n",
+        );
+        md.push_str(&class_table(
+            self.rows.iter().map(|r| (r.router.as_str(), &r.by_class)),
+        ));
+        md.push_str("\n## The gate per mode and class\n\n| mode | bits per byte |");
+        let gate_classes: Vec<&String> = self
+            .gate_rows
+            .first()
+            .map(|g| g.classes.keys().collect())
+            .unwrap_or_default();
+        for c in &gate_classes {
+            md.push_str(&format!(" {c} |"));
+        }
+        md.push_str("\n|---|---|");
+        md.push_str(&"---|".repeat(gate_classes.len()));
+        md.push('\n');
+        for g in &self.gate_rows {
+            md.push_str(&format!(
+                "| {} | {} |",
+                g.mode,
+                g.bits_per_byte.map_or("—".into(), |b| format!("{b:.4}"))
+            ));
+            for c in &gate_classes {
+                let why = &g.classes[*c];
+                if why.is_empty() {
+                    md.push_str(" pass |");
+                } else {
+                    md.push_str(&format!(" fail: {} |", why.join("; ")));
+                }
+            }
+            md.push('\n');
+        }
+        md.push_str("\n## The fitted policy (`switchyard router fit` on the same matrix)\n\n");
+        md.push_str(&self.fit.markdown());
+        md
+    }
+}
+
+/// Latency per class, (requests, mean, P50, P99) per row: a Markdown table with the classes
+/// of the first row as columns.
+fn class_table<'r>(
+    rows: impl Iterator<Item = (&'r str, &'r BTreeMap<String, (usize, f64, f64, f64)>)> + Clone,
+) -> String {
+    let classes: Vec<(&String, usize)> = rows
+        .clone()
+        .next()
+        .map(|(_, by)| by.iter().map(|(c, v)| (c, v.0)).collect())
+        .unwrap_or_default();
+    let mut md = String::from("| router |");
+    for (c, n) in &classes {
+        md.push_str(&format!(" {c} ({n}) |"));
+    }
+    md.push_str("\n|---|");
+    md.push_str(&"---|".repeat(classes.len()));
+    md.push('\n');
+    for (router, by) in rows {
+        md.push_str(&format!("| {router} |"));
+        for (c, _) in &classes {
+            match by.get(*c) {
+                Some((_, mean, p50, p99)) => {
+                    md.push_str(&format!(" {mean:.3} / {p50:.3} / {p99:.3} |"))
+                }
+                None => md.push_str(" — |"),
+            }
+        }
+        md.push('\n');
+    }
+    md
+}
+
+impl TraceReport {
+    pub fn markdown(&self) -> String {
+        let mix = self
+            .mix
+            .iter()
+            .map(|(c, w)| format!("{}={w}", c.name()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut md = format!(
+            "\n## Under traffic: {} requests, Poisson arrivals at {} per second ({mix})\n\nEvery mode's engine loaded at once; each request routed at its arrival (queue depth: requests then in flight) and served in its mode's engine.\n\n| router | mean latency (s) | P50 (s) | P99 (s) | mean TTFT (s) | output tok/s | gate violations | failed | most in flight | modes chosen |\n|---|---|---|---|---|---|---|---|---|---|\n",
+            self.requests, self.rate
+        );
+        for r in &self.rows {
+            md.push_str(&format!(
+                "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {} | {} | {} | {} |\n",
+                r.router,
+                r.mean_latency_s,
+                r.p50_latency_s,
+                r.p99_latency_s,
+                r.mean_ttft_s,
+                r.output_tokens_per_s,
+                r.violations,
+                r.failed,
+                r.max_in_flight,
+                r.modes_chosen
+                    .iter()
+                    .map(|(m, n)| format!("{m} {n}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ));
+        }
+        match (&self.best_fixed, self.headroom) {
+            (Some(best), Some(h)) => {
+                md.push_str(&format!(
+                    "\nBest fixed mode with no gate violation under traffic: **{best}**. Headroom (its mean latency over the oracle's): **{h:.3}x**."
+                ));
+                if let Some(f) = self.fitted_vs_best_fixed {
+                    md.push_str(&format!(" The fitted router runs at **{f:.3}x** it."));
+                }
+                if h < 1.05 {
+                    md.push_str(" Below 1.05x: under this traffic, per-request routing cannot pay over that one mode.");
+                }
+                md.push('\n');
+            }
+            _ => md.push_str("\nNo fixed mode served the trace without a gate violation.\n"),
+        }
+        md.push_str("\nPer class (mean / P50 / P99 latency, seconds):\n\n");
+        md.push_str(&class_table(
+            self.rows.iter().map(|r| (r.router.as_str(), &r.by_class)),
+        ));
         md
     }
 }

@@ -188,10 +188,10 @@ impl RequestFeatures {
     }
 
     /// Whether the workload label is one of `labels` (case-insensitive).
-    pub fn workload_in(&self, labels: &[String]) -> bool {
+    pub fn workload_in<S: AsRef<str>>(&self, labels: &[S]) -> bool {
         self.workload
             .as_deref()
-            .is_some_and(|w| labels.iter().any(|l| l.eq_ignore_ascii_case(w)))
+            .is_some_and(|w| labels.iter().any(|l| l.as_ref().eq_ignore_ascii_case(w)))
     }
 
     /// The fixed numeric encoding learned routers see ([`FEATURE_NAMES`] names the columns):

@@ -15,6 +15,10 @@
 //!   [`DEFAULT_POLICY_TOML`]) and the rule-based router ([`RulesRouter`]).
 //! * `oracle` — a measured mode x workload matrix ([`ModeMatrix`]) and the constraint-aware
 //!   [`Oracle`]: the fastest mode within accuracy, energy and memory bounds of f16.
+//! * `gate` — the quality [`Gate`]: bits per byte and paired accuracy intervals against f16,
+//!   per class of requests.
+//! * `fit` — [`fit`]: the fastest gate-passing mode per class of a measured matrix, written as
+//!   a [`Policy`] (`switchyard router fit`).
 //! * `learned` — decision tree, random forest and logistic regression routers trained to
 //!   imitate the oracle ([`LearnedRouter`]).
 //! * `decision` — the [`Router`] trait all of the above implement, [`Decision`], [`ModeSet`]
@@ -26,6 +30,8 @@
 pub mod decision;
 pub mod error;
 pub mod features;
+pub mod fit;
+pub mod gate;
 pub mod learned;
 pub mod oracle;
 pub mod policy;
@@ -34,6 +40,8 @@ pub mod rules;
 pub use decision::{Decision, FixedRouter, ModeSet, Router};
 pub use error::{Result, RouterError};
 pub use features::{RequestFeatures, Shape, WorkloadFamily, FEATURE_COUNT, FEATURE_NAMES};
+pub use fit::{fit, FitChoice, FitReport};
+pub use gate::{Gate, GateFailure, PairedDelta, QualityMeasure};
 pub use learned::{Example, LearnedKind, LearnedParams, LearnedRouter};
 pub use oracle::{CellMeasure, Constraints, ModeMatrix, Oracle};
 pub use policy::{Condition, Policy, Rule, RulesRouter, DEFAULT_POLICY_TOML};

@@ -11,6 +11,7 @@ use switchyard_request::Mode;
 use crate::decision::{Decision, ModeSet, Router};
 use crate::error::{Result, RouterError};
 use crate::features::{RequestFeatures, Shape};
+use crate::gate::{self, Gate, QualityMeasure};
 use crate::learned::Example;
 use crate::rules::{Class, RuleConfig};
 
@@ -54,9 +55,12 @@ pub struct CellMeasure {
 /// Measurements of modes per workload cell: `cells[cell][mode]`. Cells are named freely
 /// ("SS", "gsm8k", "shared-prefix", ...); every cell must hold the baseline (f16).
 /// In JSON: `{"cells": {"SS": {"f16": {"latency_s": 1.0, "peak_memory_bytes": 100}, ...}}}`.
+/// `quality` (optional) holds each mode's measured quality against f16 for the [`Gate`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ModeMatrix {
     pub cells: BTreeMap<String, BTreeMap<Mode, CellMeasure>>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub quality: BTreeMap<Mode, QualityMeasure>,
 }
 
 impl ModeMatrix {
@@ -84,6 +88,12 @@ impl ModeMatrix {
     pub fn validate(&self) -> Result<()> {
         if self.cells.is_empty() {
             return Err(RouterError::MatrixJson("the matrix has no cells".into()));
+        }
+        if !self.quality.is_empty() && !self.quality.contains_key(&Mode::BASELINE) {
+            return Err(RouterError::MatrixJson(format!(
+                "quality has no {} (baseline) entry to compare against",
+                Mode::BASELINE
+            )));
         }
         for (cell, modes) in &self.cells {
             let invalid = |reason: String| RouterError::InvalidCell {
@@ -209,12 +219,15 @@ impl Constraints {
     }
 }
 
-/// The oracle router: workload cell of the request, then the fastest admissible mode there.
+/// The oracle router: workload cell of the request, then the fastest admissible mode there:
+/// within the constraints against f16 in that cell, and through the quality [`Gate`] for the
+/// request's class where the matrix holds quality.
 #[derive(Debug, Clone)]
 pub struct Oracle {
     matrix: ModeMatrix,
     constraints: Constraints,
     classifier: RuleConfig,
+    gate: Gate,
 }
 
 /// The rule every oracle decision reports.
@@ -239,7 +252,44 @@ impl Oracle {
             matrix,
             constraints,
             classifier,
+            gate: Gate::default(),
         })
+    }
+
+    /// The same oracle judging quality with `gate`.
+    pub fn with_gate(mut self, gate: Gate) -> Result<Oracle> {
+        gate.validate()?;
+        self.gate = gate;
+        Ok(self)
+    }
+
+    pub fn gate(&self) -> &Gate {
+        &self.gate
+    }
+
+    /// The gate class a request is judged in: `math` or `multiple-choice` by its label, else
+    /// the class of its cell.
+    pub fn class_for(&self, f: &RequestFeatures) -> String {
+        let class = gate::request_class(f, &self.classifier);
+        if class == gate::CLASS_MATH || class == gate::CLASS_MULTIPLE_CHOICE {
+            return class;
+        }
+        self.cell_for(f).map_or(class, gate::cell_class)
+    }
+
+    /// Whether `mode` may serve requests of `class` in `cell`: the constraints against the
+    /// cell's f16 and the quality gate for the class.
+    pub fn admits(&self, cell: &str, class: &str, mode: Mode) -> bool {
+        let Some(modes) = self.matrix.cells.get(cell) else {
+            return false;
+        };
+        match (modes.get(&mode), modes.get(&Mode::BASELINE)) {
+            (Some(m), Some(base)) => {
+                self.constraints.admits(m, base)
+                    && self.gate.passes(&self.matrix.quality, mode, class)
+            }
+            _ => false,
+        }
     }
 
     pub fn matrix(&self) -> &ModeMatrix {
@@ -298,14 +348,18 @@ impl Oracle {
             .map(|(_, cell)| cell)
     }
 
-    /// The fastest available mode of `cell` that meets the constraints (ties: the earlier mode
-    /// of [`Mode::ALL`]), if any.
+    /// The fastest available mode of `cell` that meets the constraints and the gate for the
+    /// cell's own class (ties: the earlier mode of [`Mode::ALL`]), if any.
     pub fn best_in_cell(&self, cell: &str, available: ModeSet) -> Option<Mode> {
+        self.best_for(cell, &gate::cell_class(cell), available)
+    }
+
+    /// The fastest available mode of `cell` admitted for requests of `class`.
+    pub fn best_for(&self, cell: &str, class: &str, available: ModeSet) -> Option<Mode> {
         let modes = self.matrix.cells.get(cell)?;
-        let base = modes.get(&Mode::BASELINE)?;
         modes
             .iter()
-            .filter(|(mode, m)| available.contains(**mode) && self.constraints.admits(m, base))
+            .filter(|(mode, _)| available.contains(**mode) && self.admits(cell, class, **mode))
             .min_by(|a, b| a.1.latency_s.total_cmp(&b.1.latency_s))
             .map(|(mode, _)| *mode)
     }
@@ -328,9 +382,10 @@ impl Router for Oracle {
     /// mode there meets the constraints.
     fn route_among(&self, f: &RequestFeatures, available: ModeSet) -> Decision {
         let class = self.classifier.classify(f);
+        let gate_class = self.class_for(f);
         let best = self
             .cell_for(f)
-            .and_then(|cell| self.best_in_cell(cell, available));
+            .and_then(|cell| self.best_for(cell, &gate_class, available));
         Decision {
             mode: best.unwrap_or(Mode::BASELINE),
             rule: ORACLE_RULE.to_string(),

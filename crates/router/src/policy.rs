@@ -10,6 +10,7 @@ use switchyard_request::Mode;
 use crate::decision::{Decision, ModeSet, Router};
 use crate::error::{Result, RouterError};
 use crate::features::{RequestFeatures, Shape};
+use crate::gate::Gate;
 use crate::rules::{Class, RuleConfig};
 
 /// When a rule applies. In TOML a condition is a string for the ones without a value
@@ -95,6 +96,10 @@ impl Rule {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Policy {
     classifier: RuleConfig,
+    /// The quality gate the policy was fitted under (`router fit` records it; serving does
+    /// not read it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gate: Option<Gate>,
     rules: Vec<Rule>,
 }
 
@@ -109,6 +114,8 @@ struct PolicyFile {
 struct RawPolicy {
     #[serde(default)]
     classifier: RuleConfig,
+    #[serde(default)]
+    gate: Option<Gate>,
     #[serde(default)]
     rules: Vec<RawRule>,
 }
@@ -150,7 +157,22 @@ impl Policy {
                 return Err(invalid(problem));
             }
         }
-        Ok(Policy { classifier, rules })
+        Ok(Policy {
+            classifier,
+            gate: None,
+            rules,
+        })
+    }
+
+    /// The same policy, recording the gate it was fitted under.
+    pub fn with_gate(mut self, gate: Gate) -> Result<Policy> {
+        gate.validate()?;
+        self.gate = Some(gate);
+        Ok(self)
+    }
+
+    pub fn gate(&self) -> Option<&Gate> {
+        self.gate.as_ref()
     }
 
     /// Reads the `[router]` table of a TOML document (other tables are ignored, so the table
@@ -171,7 +193,11 @@ impl Policy {
                 mode,
             });
         }
-        Policy::new(raw.classifier, rules)
+        let policy = Policy::new(raw.classifier, rules)?;
+        match raw.gate {
+            Some(gate) => policy.with_gate(gate),
+            None => Ok(policy),
+        }
     }
 
     /// The policy as a `[router]` TOML table that [`Policy::from_toml`] reads back.
@@ -212,6 +238,7 @@ impl Default for Policy {
         let labels = |ls: &[&str]| ls.iter().map(|l| l.to_string()).collect::<Vec<_>>();
         Policy {
             classifier: RuleConfig::default(),
+            gate: None,
             rules: vec![
                 Rule::new(
                     "batch",

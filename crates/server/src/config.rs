@@ -50,6 +50,9 @@ pub struct Config {
     pub modeswitch: Option<ModeSwitchSection>,
     /// The router's policy (classifier thresholds and ordered rules), as
     /// `switchyard_router::DEFAULT_POLICY_TOML` documents; the paper's policy when absent.
+    /// `policy_file = "policy.toml"` (alone in the table) reads it from a file instead, such as
+    /// the one `switchyard router fit` writes (a relative path is taken from the working
+    /// directory).
     #[serde(default)]
     pub router: Option<toml::Table>,
 }
@@ -260,6 +263,26 @@ impl Config {
     pub fn router_policy(&self) -> Result<switchyard_router::Policy, ConfigError> {
         match &self.router {
             None => Ok(switchyard_router::Policy::default()),
+            Some(t) if t.contains_key("policy_file") => {
+                let path = match (t.get("policy_file"), t.len()) {
+                    (Some(toml::Value::String(p)), 1) => std::path::PathBuf::from(p),
+                    (Some(toml::Value::String(_)), _) => return Err(ConfigError::Invalid(
+                        "[router]: policy_file and inline router settings are both given; keep one"
+                            .into(),
+                    )),
+                    _ => {
+                        return Err(ConfigError::Invalid(
+                            "[router]: policy_file must be a path (a string)".into(),
+                        ))
+                    }
+                };
+                let text = std::fs::read_to_string(&path).map_err(|e| {
+                    ConfigError::Invalid(format!("[router] policy_file {}: {e}", path.display()))
+                })?;
+                switchyard_router::Policy::from_toml(&text).map_err(|e| {
+                    ConfigError::Invalid(format!("[router] policy_file {}: {e}", path.display()))
+                })
+            }
             Some(t) => {
                 let mut wrapper = toml::Table::new();
                 wrapper.insert("router".into(), toml::Value::Table(t.clone()));

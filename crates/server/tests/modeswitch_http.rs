@@ -439,3 +439,132 @@ async fn a_saved_learned_router_routes_requests() {
         "{err}"
     );
 }
+
+/// A policy `switchyard router fit` writes, read through `[router] policy_file`: each class of
+/// request is routed to the mode fitted for it, and the header names the fitted rule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fitted_policy_file_routes_each_class_to_its_fitted_mode() {
+    use std::collections::BTreeMap;
+    use switchyard_router::{
+        fit, CellMeasure, Constraints, Gate, Mode, ModeMatrix, PairedDelta, QualityMeasure,
+        RuleConfig,
+    };
+    // q4 fastest everywhere, int8 next. q4 keeps bits per byte within +5 % and the
+    // multiple-choice tasks, but not GSM8K; the gate judges interactive requests on bits per
+    // byte alone, so q4 serves interactive and multiple-choice requests and int8 the rest.
+    let mut m = ModeMatrix::default();
+    for (cell, f16) in [
+        ("SS", 1.0),
+        ("SL", 3.0),
+        ("LS", 1.5),
+        ("LL", 4.0),
+        ("batch", 5.0),
+    ] {
+        for (mode, share) in [(Mode::F16, 1.0), (Mode::Int8, 0.6), (Mode::Q4, 0.4)] {
+            let measure = CellMeasure {
+                latency_s: f16 * share,
+                energy_j_per_token: None,
+                peak_memory_bytes: 1 << 28,
+                accuracy_points: None,
+                quality_points: None,
+            };
+            m.insert(cell, mode, measure);
+        }
+    }
+    let quality = |bpb: f64, gsm_lo: f64| QualityMeasure {
+        bits_per_byte: Some(bpb),
+        bpb_bytes: Some(100_000),
+        tasks: ["gsm8k", "arc-challenge", "hellaswag", "mmlu"]
+            .iter()
+            .map(|t| {
+                let lo = if *t == "gsm8k" { gsm_lo } else { -1.0 };
+                let d = PairedDelta {
+                    n: 500,
+                    delta_points: lo + 1.0,
+                    lo_points: lo,
+                    hi_points: lo + 2.0,
+                    only_mode: 5,
+                    only_baseline: 6,
+                    mcnemar_p: 1.0,
+                };
+                (t.to_string(), d)
+            })
+            .collect(),
+    };
+    m.quality = BTreeMap::from([
+        (Mode::F16, quality(0.50, 0.0)),
+        (Mode::Int8, quality(0.501, -0.5)),
+        (Mode::Q4, quality(0.52, -3.0)),
+    ]);
+    let mut gate = Gate::default();
+    gate.tasks.insert("interactive".into(), Vec::new());
+    let report = fit(&m, &Constraints::default(), &gate, RuleConfig::default()).expect("fit");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("policy.toml");
+    std::fs::write(&file, report.policy_toml("a test matrix").expect("toml")).expect("write");
+
+    let toml = format!(
+        "{}\n[router]\npolicy_file = {:?}\n",
+        config(),
+        file.display().to_string()
+    );
+    let cfg = switchyard_server::config::Config::parse(&toml).expect("parses");
+    assert_eq!(cfg.router_policy().expect("policy"), report.policy);
+    let s = start(&toml).await;
+    let long_prompt = "The quick brown fox jumps over the lazy dog. ".repeat(60);
+    // (workload label, prompt, max_tokens, mode, rule); the matrix has no shared-prefix or
+    // memory-pressure cell, so the fit wrote no rule for them.
+    let cases = [
+        (Some("batch"), PROMPT.to_string(), 4, "int8", "1:batch"),
+        (Some("gsm8k"), PROMPT.to_string(), 4, "int8", "2:math"),
+        (
+            Some("mmlu"),
+            PROMPT.to_string(),
+            1,
+            "q4",
+            "3:multiple-choice",
+        ),
+        (None, long_prompt, 4, "int8", "4:prefill-heavy"),
+        (None, PROMPT.to_string(), 128, "int8", "5:decode-heavy"),
+        (None, PROMPT.to_string(), 4, "q4", "6:interactive"),
+    ];
+    for (workload, prompt, max_tokens, mode, rule) in cases {
+        let mut r = common::client()
+            .post(format!("{}/v1/completions", s.base))
+            .header("content-type", "application/json")
+            .body(
+                json!({"model": "modes", "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0})
+                .to_string(),
+            );
+        if let Some(w) = workload {
+            r = r.header("x-switchyard-workload", w);
+        }
+        let resp = r.send().await.expect("sent");
+        assert_eq!(resp.status().as_u16(), 200, "{rule}");
+        let h = resp.headers().clone();
+        assert_eq!(header(&h, "x-switchyard-mode"), mode, "{rule}: {h:?}");
+        assert!(
+            header(&h, "x-switchyard-route").starts_with(&format!("rule={rule};")),
+            "{rule}: {h:?}"
+        );
+    }
+
+    // A policy file beside inline rules, or one that is missing, is refused with the reason.
+    let both = format!("{toml}id = \"x\"\n");
+    let err = switchyard_server::config::Config::parse(&both)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        "[router]: policy_file and inline router settings are both given; keep one"
+    );
+    let missing = toml.replace("policy.toml", "absent.toml");
+    let err = switchyard_server::config::Config::parse(&missing)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("[router] policy_file ") && err.contains("absent.toml: "),
+        "{err}"
+    );
+}

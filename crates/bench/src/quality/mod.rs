@@ -19,7 +19,7 @@ pub use gsm8k::{
     extract_answer, gsm8k_correct, score_gen, GenScore, GSM8K_MAX_NEW_TOKENS, GSM8K_STOP,
 };
 pub use humaneval::{run_tests, truncate_completion, Isolation, Outcome, HUMANEVAL_STOP};
-pub use interval::{paired_diff95, wilson95, Z95};
+pub use interval::{mcnemar, mcnemar_p, paired_diff95, wilson95, McNemar, Z95};
 pub use loglik::{encode_pair, LayeredScorer, LogLikelihood};
 pub use mc::{score_item, score_mc, ItemScore, McScore};
 pub use rouge::{rouge_l, rouge_l_score, rouge_tokens, RougeScore};

@@ -1,0 +1,255 @@
+//! `switchyard router fit`: a rule policy fitted to a measured matrix. For each class of
+//! requests, the fastest mode that keeps the constraints against f16 in the class's cells and
+//! passes the quality [`Gate`] for the class, written as the same `[router]` rules the server
+//! reads.
+//!
+//! Classes and the cells whose latency stands for them, in rule order (the first rule that
+//! holds wins, as in the paper's policy):
+//!
+//! | rule | condition | cells |
+//! |---|---|---|
+//! | batch | class batch | batch |
+//! | shared-prefix | class shared-prefix | shared-prefix |
+//! | memory-pressure | memory pressure high | memory-pressure |
+//! | math | workload gsm8k, math | SL, LL (long generations) |
+//! | multiple-choice | workload mmlu, arc, hellaswag, ... | SS, LS (prompt-bound, short output) |
+//! | prefill-heavy | class prefill-heavy | LS |
+//! | decode-heavy | class decode-heavy | SL, LL |
+//! | interactive | class interactive | SS |
+//! | default | always | f16 |
+//!
+//! A class whose cells the matrix lacks gets no rule (its requests fall through to the next
+//! rule that holds, at worst the f16 default); the report says which and why. Over several
+//! cells a mode is scored by the sum of its mean latencies, so each cell weighs by its time.
+
+use serde::Serialize;
+use switchyard_request::Mode;
+
+use crate::error::{Result, RouterError};
+use crate::gate::{self, Gate};
+use crate::oracle::{Constraints, ModeMatrix};
+use crate::policy::{Condition, Policy, Rule};
+use crate::rules::{Class, RuleConfig};
+
+/// One fitted class: the mode chosen, its time against f16's, and why the faster modes were
+/// refused.
+#[derive(Debug, Clone, Serialize)]
+pub struct FitChoice {
+    pub class: String,
+    /// The matrix cells that stood for the class.
+    pub cells: Vec<String>,
+    pub mode: Mode,
+    /// Sum of the chosen mode's mean latencies over the cells, seconds.
+    pub latency_s: f64,
+    /// The same for f16.
+    pub f16_latency_s: f64,
+    /// Modes faster than the chosen one, with the reasons they were refused.
+    pub refused: Vec<(Mode, Vec<String>)>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FitReport {
+    pub policy: Policy,
+    pub choices: Vec<FitChoice>,
+    /// Classes without a rule, and why.
+    pub skipped: Vec<(String, String)>,
+}
+
+struct FitClass {
+    id: &'static str,
+    cells: &'static [&'static str],
+    when: fn() -> Condition,
+}
+
+fn labels(ls: &[&str]) -> Vec<String> {
+    ls.iter().map(|l| l.to_string()).collect()
+}
+
+const CLASSES: [FitClass; 8] = [
+    FitClass {
+        id: "batch",
+        cells: &["batch"],
+        when: || Condition::Class(Class::Batch),
+    },
+    FitClass {
+        id: "shared-prefix",
+        cells: &["shared-prefix"],
+        when: || Condition::Class(Class::SharedPrefix),
+    },
+    FitClass {
+        id: gate::CLASS_MEMORY_PRESSURE,
+        cells: &["memory-pressure"],
+        when: || Condition::MemoryPressureHigh,
+    },
+    FitClass {
+        id: gate::CLASS_MATH,
+        cells: &["SL", "LL"],
+        when: || Condition::Workload(labels(&gate::MATH_LABELS)),
+    },
+    FitClass {
+        id: gate::CLASS_MULTIPLE_CHOICE,
+        cells: &["SS", "LS"],
+        when: || Condition::Workload(labels(&gate::MULTIPLE_CHOICE_LABELS)),
+    },
+    FitClass {
+        id: "prefill-heavy",
+        cells: &["LS"],
+        when: || Condition::Class(Class::PrefillHeavy),
+    },
+    FitClass {
+        id: "decode-heavy",
+        cells: &["SL", "LL"],
+        when: || Condition::Class(Class::DecodeHeavy),
+    },
+    FitClass {
+        id: "interactive",
+        cells: &["SS"],
+        when: || Condition::Class(Class::Interactive),
+    },
+];
+
+/// Fits a policy to `matrix` (which must hold f16 in every cell) under `constraints` and
+/// `gate`, with `classifier`'s thresholds.
+pub fn fit(
+    matrix: &ModeMatrix,
+    constraints: &Constraints,
+    gate: &Gate,
+    classifier: RuleConfig,
+) -> Result<FitReport> {
+    matrix.validate()?;
+    constraints.validate()?;
+    gate.validate()?;
+    classifier.validate()?;
+    let mut rules = Vec::new();
+    let mut choices = Vec::new();
+    let mut skipped = Vec::new();
+    for class in &CLASSES {
+        let cells: Vec<&String> = class
+            .cells
+            .iter()
+            .filter_map(|c| matrix.cells.keys().find(|k| k.eq_ignore_ascii_case(c)))
+            .collect();
+        if cells.is_empty() {
+            skipped.push((
+                class.id.to_string(),
+                format!(
+                    "the matrix has no {} cell (f16 must be measured there)",
+                    class.cells.join(" or ")
+                ),
+            ));
+            continue;
+        }
+        // Sum of mean latencies over the cells, for modes measured in every one of them.
+        let total = |mode: Mode| -> Option<f64> {
+            cells
+                .iter()
+                .map(|c| matrix.cells[*c].get(&mode).map(|m| m.latency_s))
+                .sum()
+        };
+        let mut candidates: Vec<(Mode, f64)> = Mode::ALL
+            .iter()
+            .filter_map(|&m| total(m).map(|t| (m, t)))
+            .collect();
+        candidates.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let mut refused = Vec::new();
+        let mut chosen = None;
+        for &(mode, latency) in &candidates {
+            let mut why: Vec<String> = gate
+                .failures(&matrix.quality, mode, class.id)
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+            for c in &cells {
+                let cell = &matrix.cells[*c];
+                if let (Some(m), Some(base)) = (cell.get(&mode), cell.get(&Mode::BASELINE)) {
+                    if !constraints.admits(m, base) {
+                        why.push(format!("{c}: outside the constraints against f16"));
+                    }
+                }
+            }
+            if why.is_empty() {
+                chosen = Some((mode, latency));
+                break;
+            }
+            refused.push((mode, why));
+        }
+        // f16 is measured in every cell and always admitted, so a mode is always chosen.
+        let (mode, latency_s) = chosen.ok_or_else(|| RouterError::InvalidCell {
+            cell: cells[0].clone(),
+            reason: "no mode is admitted, not even f16".into(),
+        })?;
+        rules.push(Rule::new(class.id, (class.when)(), mode));
+        choices.push(FitChoice {
+            class: class.id.to_string(),
+            cells: cells.iter().map(|c| c.to_string()).collect(),
+            mode,
+            latency_s,
+            f16_latency_s: total(Mode::BASELINE).unwrap_or(f64::NAN),
+            refused,
+        });
+    }
+    rules.push(Rule::new("default", Condition::Always, Mode::BASELINE));
+    let policy = Policy::new(classifier, rules)?.with_gate(gate.clone())?;
+    Ok(FitReport {
+        policy,
+        choices,
+        skipped,
+    })
+}
+
+impl FitReport {
+    /// The policy file: a header saying how it was fitted, then the `[router]` table.
+    pub fn policy_toml(&self, source: &str) -> Result<String> {
+        let mut out = format!(
+            "# ModeSwitch policy fitted by `switchyard router fit` to {source}.\n# Per class, the fastest mode that passes the quality gate ([router.gate]).\n"
+        );
+        for c in &self.choices {
+            out.push_str(&format!(
+                "# {}: {} ({:.3} s over {}, f16 {:.3} s)\n",
+                c.class,
+                c.mode,
+                c.latency_s,
+                c.cells.join("+"),
+                c.f16_latency_s
+            ));
+        }
+        for (class, why) in &self.skipped {
+            out.push_str(&format!("# {class}: no rule, {why}\n"));
+        }
+        out.push('\n');
+        out.push_str(&self.policy.to_toml()?);
+        Ok(out)
+    }
+
+    pub fn markdown(&self) -> String {
+        let mut md = String::from(
+            "| class | cells | mode | latency (s) | f16 (s) | speedup | faster modes refused |\n|---|---|---|---|---|---|---|\n",
+        );
+        for c in &self.choices {
+            let refused = c
+                .refused
+                .iter()
+                .map(|(m, why)| format!("{m}: {}", why.join("; ")))
+                .collect::<Vec<_>>()
+                .join("<br>");
+            md.push_str(&format!(
+                "| {} | {} | {} | {:.3} | {:.3} | {:.2}x | {} |\n",
+                c.class,
+                c.cells.join("+"),
+                c.mode,
+                c.latency_s,
+                c.f16_latency_s,
+                c.f16_latency_s / c.latency_s,
+                if refused.is_empty() {
+                    "—".into()
+                } else {
+                    refused
+                },
+            ));
+        }
+        for (class, why) in &self.skipped {
+            md.push_str(&format!("| {class} | — | no rule | | | | {why} |\n"));
+        }
+        md
+    }
+}

@@ -1,0 +1,287 @@
+//! `router fit` on a hand-made matrix: the mode a hand computation picks for every class, the
+//! gate's bounds changing the pick, a matrix without f16 refused, and the written policy
+//! routing each class to its fitted mode after a round trip through TOML.
+
+use std::collections::BTreeMap;
+
+use switchyard_router::{
+    fit, CellMeasure, Constraints, Gate, Mode, ModeMatrix, ModeSet, PairedDelta, Policy,
+    QualityMeasure, RequestFeatures, Router, RuleConfig, RulesRouter,
+};
+
+fn cell(latency_s: f64) -> CellMeasure {
+    CellMeasure {
+        latency_s,
+        energy_j_per_token: None,
+        peak_memory_bytes: 1 << 30,
+        accuracy_points: None,
+        quality_points: None,
+    }
+}
+
+fn paired(lo: f64) -> PairedDelta {
+    PairedDelta {
+        n: 1000,
+        delta_points: lo + 1.0,
+        lo_points: lo,
+        hi_points: lo + 2.0,
+        only_mode: 20,
+        only_baseline: 25,
+        mcnemar_p: 0.55,
+    }
+}
+
+/// Bits per byte, then the lower ends of GSM8K and the three multiple-choice tasks.
+fn quality(bpb: f64, gsm: f64, arc: f64, hellaswag: f64, mmlu: f64) -> QualityMeasure {
+    QualityMeasure {
+        bits_per_byte: Some(bpb),
+        bpb_bytes: Some(100_000),
+        tasks: BTreeMap::from([
+            ("gsm8k".into(), paired(gsm)),
+            ("arc-challenge".into(), paired(arc)),
+            ("hellaswag".into(), paired(hellaswag)),
+            ("mmlu".into(), paired(mmlu)),
+        ]),
+    }
+}
+
+fn matrix() -> ModeMatrix {
+    use Mode::*;
+    let mut m = ModeMatrix::default();
+    let rows: &[(&str, &[(Mode, f64)])] = &[
+        (
+            "SS",
+            &[
+                (F16, 1.0),
+                (Int8, 0.6),
+                (Q4, 0.4),
+                (Q4Awq, 0.5),
+                (Q4PrefixCache, 0.38),
+                (Int8ContinuousBatching, 0.62),
+            ],
+        ),
+        (
+            "SL",
+            &[
+                (F16, 3.0),
+                (Int8, 1.8),
+                (Q4, 1.2),
+                (Q4Awq, 1.5),
+                (Q4PrefixCache, 1.25),
+                (Int8ContinuousBatching, 1.75),
+            ],
+        ),
+        (
+            "LS",
+            &[
+                (F16, 1.5),
+                (Int8, 0.9),
+                (Q4, 0.7),
+                (Q4Awq, 0.8),
+                (Q4PrefixCache, 0.74),
+                (Int8ContinuousBatching, 0.95),
+            ],
+        ),
+        (
+            "LL",
+            &[
+                (F16, 4.0),
+                (Int8, 2.4),
+                (Q4, 1.8),
+                (Q4Awq, 2.1),
+                (Int8ContinuousBatching, 2.5),
+            ],
+        ),
+        (
+            "batch",
+            &[
+                (F16, 5.0),
+                (Int8, 3.0),
+                (Q4, 2.6),
+                (Q4Awq, 2.8),
+                (Int8ContinuousBatching, 1.5),
+            ],
+        ),
+        (
+            "shared-prefix",
+            &[
+                (F16, 2.0),
+                (Int8, 1.2),
+                (Q4, 1.0),
+                (Q4Awq, 1.1),
+                (Q4PrefixCache, 0.5),
+            ],
+        ),
+    ];
+    for (name, modes) in rows {
+        for &(mode, latency) in modes.iter() {
+            m.insert(name, mode, cell(latency));
+        }
+    }
+    let int8 = quality(0.501, -0.5, -1.0, -1.0, -1.0);
+    let q4 = quality(0.56, -2.0, -1.0, -1.0, -1.0);
+    m.quality = BTreeMap::from([
+        (F16, quality(0.50, 0.0, 0.0, 0.0, 0.0)),
+        (Int8, int8.clone()),
+        (Int8ContinuousBatching, int8),
+        (Q4, q4.clone()),
+        (Q4PrefixCache, q4),
+        (Q4Awq, quality(0.52, -3.0, -1.2, -1.4, -1.0)),
+    ]);
+    m
+}
+
+fn chosen(report: &switchyard_router::FitReport) -> Vec<(String, Mode)> {
+    report
+        .choices
+        .iter()
+        .map(|c| (c.class.clone(), c.mode))
+        .collect()
+}
+
+#[test]
+fn fit_picks_what_a_hand_computation_picks_for_every_class() {
+    let report = fit(
+        &matrix(),
+        &Constraints::default(),
+        &Gate::default(),
+        RuleConfig::default(),
+    )
+    .unwrap();
+    // By hand, default gate (bits per byte +5 %, lower ends above −1.5 points):
+    // - q4 and q4+prefix-cache fail everywhere on bits per byte (+12 %);
+    // - q4-awq (+4 %) fails every class judged on GSM8K (lower end −3.0) but passes
+    //   multiple-choice (−1.2, −1.4, −1.0);
+    // - int8 and int8+continuous-batching pass everywhere.
+    // Then per class the fastest passing mode by the summed latency of its cells:
+    // batch: int8+cb 1.5 < int8 3.0; shared-prefix: int8 1.2 (q4+pc 0.5, q4 1.0, q4-awq 1.1
+    // refused); math (SL+LL): int8 4.2 (q4 3.0, q4-awq 3.6 refused; q4+pc lacks LL);
+    // multiple-choice (SS+LS): q4-awq 1.3 (q4 1.1, q4+pc 1.12 refused); prefill-heavy (LS):
+    // int8 0.9; decode-heavy (SL+LL): int8 4.2; interactive (SS): int8 0.6.
+    let want: Vec<(String, Mode)> = [
+        ("batch", Mode::Int8ContinuousBatching),
+        ("shared-prefix", Mode::Int8),
+        ("math", Mode::Int8),
+        ("multiple-choice", Mode::Q4Awq),
+        ("prefill-heavy", Mode::Int8),
+        ("decode-heavy", Mode::Int8),
+        ("interactive", Mode::Int8),
+    ]
+    .iter()
+    .map(|(c, m)| (c.to_string(), *m))
+    .collect();
+    assert_eq!(chosen(&report), want);
+    let sp = &report.choices[1];
+    assert!((sp.latency_s - 1.2).abs() < 1e-12 && (sp.f16_latency_s - 2.0).abs() < 1e-12);
+    let refused: Vec<Mode> = sp.refused.iter().map(|(m, _)| *m).collect();
+    assert_eq!(refused, [Mode::Q4PrefixCache, Mode::Q4, Mode::Q4Awq]);
+    assert_eq!(
+        sp.refused[2].1,
+        ["gsm8k: paired 95 % interval reaches -3.00 points (bound −1.5)"]
+    );
+    let mc = &report.choices[3];
+    assert!((mc.latency_s - 1.3).abs() < 1e-12, "{}", mc.latency_s);
+    assert_eq!(
+        report.skipped,
+        [(
+            "memory-pressure".to_string(),
+            "the matrix has no memory-pressure cell (f16 must be measured there)".to_string()
+        )]
+    );
+    let last = report.policy.rules().last().unwrap();
+    assert_eq!((last.id.as_str(), last.mode), ("default", Mode::F16));
+
+    // A looser bits-per-byte bound lets q4 (GSM8K lower end −2.0) serve multiple-choice, and
+    // still not the classes judged on GSM8K.
+    let loose = Gate {
+        max_bpb_increase: 0.15,
+        ..Gate::default()
+    };
+    let report = fit(
+        &matrix(),
+        &Constraints::default(),
+        &loose,
+        RuleConfig::default(),
+    )
+    .unwrap();
+    let modes: BTreeMap<String, Mode> = chosen(&report).into_iter().collect();
+    assert_eq!(modes["multiple-choice"], Mode::Q4);
+    assert_eq!(modes["interactive"], Mode::Int8);
+}
+
+#[test]
+fn fit_refuses_a_matrix_without_f16() {
+    let mut m = matrix();
+    m.cells.get_mut("LS").unwrap().remove(&Mode::F16);
+    let err = fit(
+        &m,
+        &Constraints::default(),
+        &Gate::default(),
+        RuleConfig::default(),
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "mode matrix cell \"LS\": no f16 (baseline) measure to compare against"
+    );
+    let mut m = matrix();
+    m.quality.remove(&Mode::F16);
+    let err = fit(
+        &m,
+        &Constraints::default(),
+        &Gate::default(),
+        RuleConfig::default(),
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "mode matrix: quality has no f16 (baseline) entry to compare against"
+    );
+}
+
+#[test]
+fn the_fitted_policy_round_trips_and_routes_each_class_to_its_mode() {
+    let report = fit(
+        &matrix(),
+        &Constraints::default(),
+        &Gate::default(),
+        RuleConfig::default(),
+    )
+    .unwrap();
+    let text = report.policy_toml("a hand-made matrix").unwrap();
+    assert!(text.starts_with("# ModeSwitch policy fitted by `switchyard router fit`"));
+    let back = Policy::from_toml(&text).unwrap();
+    assert_eq!(back, report.policy);
+    assert_eq!(back.gate(), Some(&Gate::default()));
+    let router = RulesRouter::new(back);
+    let f = |prompt: usize, out: usize, label: Option<&str>| RequestFeatures {
+        prompt_tokens: prompt,
+        max_output_tokens: out,
+        workload: label.map(str::to_string),
+        ..Default::default()
+    };
+    let cases = [
+        (
+            f(100, 32, Some("batch")),
+            Mode::Int8ContinuousBatching,
+            "1:batch",
+        ),
+        (
+            RequestFeatures {
+                shared_prefix_tokens: 512,
+                ..f(600, 32, None)
+            },
+            Mode::Int8,
+            "2:shared-prefix",
+        ),
+        (f(200, 256, Some("gsm8k")), Mode::Int8, "3:math"),
+        (f(300, 1, Some("mmlu")), Mode::Q4Awq, "4:multiple-choice"),
+        (f(1024, 32, None), Mode::Int8, "5:prefill-heavy"),
+        (f(100, 256, None), Mode::Int8, "6:decode-heavy"),
+        (f(100, 32, None), Mode::Int8, "7:interactive"),
+    ];
+    for (features, mode, rule) in cases {
+        let d = router.route_among(&features, ModeSet::all());
+        assert_eq!((d.mode, d.rule.as_str()), (mode, rule), "{features:?}");
+    }
+}
