@@ -190,6 +190,8 @@ pub struct TraceReport {
     pub rate: f64,
     pub mix: Vec<(TraceClass, f64)>,
     pub rows: Vec<TraceRow>,
+    /// Fixed modes not replayed: they fail the gate for some request class.
+    pub skipped_fixed: Vec<String>,
     pub best_fixed: Option<String>,
     pub headroom: Option<f64>,
     pub fitted_vs_best_fixed: Option<f64>,
@@ -455,7 +457,17 @@ pub fn run(
                 engines.insert(m, s.into_handle(assets, opts.budget)?);
             }
             let mut trace_rows = Vec::new();
+            // A fixed mode that fails the gate for some request of the one-at-a-time table
+            // cannot be the best fixed mode: it is not replayed (the classes are the same).
+            let skipped_fixed: Vec<String> = rows
+                .iter()
+                .filter(|r| r.kind == "fixed" && r.constraint_violations > 0)
+                .map(|r| r.router.clone())
+                .collect();
             for (label, kind, router, _) in &routers {
+                if skipped_fixed.contains(label) {
+                    continue;
+                }
                 progress(&format!("trace: router {label}"));
                 let row =
                     router_trace::replay(&reqs, label, kind, router.as_ref(), &engines, &oracle)?;
@@ -478,6 +490,7 @@ pub fn run(
                 rate: t.rate,
                 mix: t.mix.clone(),
                 rows: trace_rows,
+                skipped_fixed,
                 best_fixed: best,
                 headroom,
                 fitted_vs_best_fixed: fitted,
@@ -657,6 +670,15 @@ impl TraceReport {
             "\n## Under traffic: {} requests, Poisson arrivals at {} per second ({mix})\n\nEvery mode's engine loaded at once; each request routed at its arrival (queue depth: requests then in flight) and served in its mode's engine.\n\n| router | mean latency (s) | P50 (s) | P99 (s) | mean TTFT (s) | output tok/s | gate violations | failed | most in flight | modes chosen |\n|---|---|---|---|---|---|---|---|---|---|\n",
             self.requests, self.rate
         );
+        if !self.skipped_fixed.is_empty() {
+            md = md.replace(
+                "\n\n| router |",
+                &format!(
+                    " Not replayed (they fail the gate for some class of the table above): {}.\n\n| router |",
+                    self.skipped_fixed.join(", ")
+                ),
+            );
+        }
         for r in &self.rows {
             md.push_str(&format!(
                 "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {} | {} | {} | {} |\n",
