@@ -81,6 +81,10 @@ pub struct BenchModesArgs {
     /// Write PNG charts into DIR.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Measure nothing: read a report this command wrote (JSON) and write its Markdown and
+    /// charts again.
+    #[arg(long, value_name = "FILE")]
+    render: Option<PathBuf>,
 }
 
 pub fn run(a: BenchModesArgs, threads: usize) -> anyhow::Result<()> {
@@ -88,12 +92,22 @@ pub fn run(a: BenchModesArgs, threads: usize) -> anyhow::Result<()> {
     if !modes.contains(&Mode::F16) {
         modes.insert(0, Mode::F16);
     }
-    let assets = assets(&a, &modes)?;
-    let opts = options(&a, modes);
-    let started = std::time::Instant::now();
-    let r: ModesReport = bench::run(&assets, threads, &opts, |m| {
-        eprintln!("[{:>6.0} s] {m}", started.elapsed().as_secs_f64())
-    })?;
+    let r: ModesReport = match &a.render {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str(&text)
+                .with_context(|| format!("{} is not a bench modes report", path.display()))?
+        }
+        None => {
+            let assets = assets(&a, &modes)?;
+            let opts = options(&a, modes);
+            let started = std::time::Instant::now();
+            bench::run(&assets, threads, &opts, |m| {
+                eprintln!("[{:>6.0} s] {m}", started.elapsed().as_secs_f64())
+            })?
+        }
+    };
     let md = r.markdown();
     eprintln!("{md}");
     if let Some(p) = &a.markdown {
@@ -128,6 +142,10 @@ pub struct BenchRouterArgs {
     trace_mix: String,
     #[arg(long, default_value_t = 1)]
     trace_seed: u64,
+    /// Fixed modes replayed on the trace (comma-separated; default: every fixed mode that
+    /// passes the gate for every class of the one-at-a-time table).
+    #[arg(long, value_delimiter = ',')]
+    trace_fixed: Option<Vec<Mode>>,
     #[command(flatten)]
     gate: GateArgs,
     #[command(flatten)]
@@ -202,6 +220,7 @@ pub fn run_router(a: BenchRouterArgs, _threads: usize) -> anyhow::Result<()> {
         rate: a.trace_rate,
         mix: TraceClass::parse_mix(&a.trace_mix)?,
         seed: a.trace_seed,
+        fixed: a.trace_fixed.clone().unwrap_or_default(),
     };
     let r = switchyard_modes::router_bench::run(
         &assets,

@@ -815,7 +815,7 @@ impl ModesReport {
                 None => " — |\n".into(),
             });
         }
-        md.push_str("\n## Cells\n\n| mode | workload | latency mean / P50 / P99 (s) | output tok/s | peak memory (MiB) | energy (J/token) | acceptance | error |\n|---|---|---|---|---|---|---|---|\n");
+        md.push_str("\n## Cells\n\n| mode | workload | latency mean / P50 / P99 (s) | mean's 95% interval | output tok/s | peak memory (MiB) | energy (J/token) | acceptance | error |\n|---|---|---|---|---|---|---|---|---|\n");
         for c in &self.cells {
             let energy = match c.energy_j_per_token {
                 Some(e) => format!("{e:.3}"),
@@ -823,18 +823,20 @@ impl ModesReport {
             };
             match &c.error {
                 Some(e) => md.push_str(&format!(
-                    "| {} | {} | — | — | — | — | — | {} |\n",
+                    "| {} | {} | — | — | — | — | — | — | {} |\n",
                     c.mode,
                     c.workload,
                     e.replace('|', "/")
                 )),
                 None => md.push_str(&format!(
-                    "| {} | {} | {:.2} / {:.2} / {:.2} | {:.1} | {:.0} | {} | {} | |\n",
+                    "| {} | {} | {:.2} / {:.2} / {:.2} | {} | {:.1} | {:.0} | {} | {} | |\n",
                     c.mode,
                     c.workload,
                     c.latency_mean_s,
                     c.latency_p50_s,
                     c.latency_p99_s,
+                    c.latency_ci95_rel
+                        .map_or("—".into(), |r| format!("±{:.1}%", 100.0 * r)),
                     c.output_tokens_per_s,
                     c.peak_memory_bytes as f64 / (1 << 20) as f64,
                     energy,

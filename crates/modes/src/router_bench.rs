@@ -160,6 +160,10 @@ pub struct RouterRow {
 pub struct GateRow {
     pub mode: Mode,
     pub bits_per_byte: Option<f64>,
+    /// Bits per byte over f16's, minus one.
+    pub bpb_increase: Option<f64>,
+    /// Per task, against f16 on the same items.
+    pub paired: BTreeMap<String, switchyard_router::PairedDelta>,
     /// Class → the reasons it fails there (empty: passes).
     pub classes: BTreeMap<String, Vec<String>>,
 }
@@ -190,7 +194,8 @@ pub struct TraceReport {
     pub rate: f64,
     pub mix: Vec<(TraceClass, f64)>,
     pub rows: Vec<TraceRow>,
-    /// Fixed modes not replayed: they fail the gate for some request class.
+    /// Fixed modes not replayed: they fail the gate for some request class, or were not
+    /// asked for.
     pub skipped_fixed: Vec<String>,
     pub best_fixed: Option<String>,
     pub headroom: Option<f64>,
@@ -459,9 +464,13 @@ pub fn run(
             let mut trace_rows = Vec::new();
             // A fixed mode that fails the gate for some request of the one-at-a-time table
             // cannot be the best fixed mode: it is not replayed (the classes are the same).
+            // Or, when the caller names the fixed modes to replay, every other one.
+            let named = |r: &RouterRow| {
+                t.fixed.is_empty() || t.fixed.iter().any(|m| r.router == format!("fixed {m}"))
+            };
             let skipped_fixed: Vec<String> = rows
                 .iter()
-                .filter(|r| r.kind == "fixed" && r.constraint_violations > 0)
+                .filter(|r| r.kind == "fixed" && (r.constraint_violations > 0 || !named(r)))
                 .map(|r| r.router.clone())
                 .collect();
             for (label, kind, router, _) in &routers {
@@ -507,6 +516,11 @@ pub fn run(
         .map(|(&mode, q)| GateRow {
             mode,
             bits_per_byte: q.bits_per_byte,
+            bpb_increase: q
+                .bits_per_byte
+                .zip(matrix.quality.get(&Mode::F16).and_then(|b| b.bits_per_byte))
+                .map(|(x, b)| x / b - 1.0),
+            paired: q.tasks.clone(),
             classes: class_names
                 .iter()
                 .map(|c| {
@@ -592,6 +606,7 @@ impl RouterReport {
         md.push_str(&class_table(
             self.rows.iter().map(|r| (r.router.as_str(), &r.by_class)),
         ));
+        md.push_str(&self.paired_table());
         md.push_str("\n## The gate per mode and class\n\n| mode | bits per byte |");
         let gate_classes: Vec<&String> = self
             .gate_rows
@@ -622,6 +637,55 @@ impl RouterReport {
         }
         md.push_str("\n## The fitted policy (`switchyard router fit` on the same matrix)\n\n");
         md.push_str(&self.fit.markdown());
+        md
+    }
+}
+
+impl RouterReport {
+    /// Each mode against f16 on the same items: the paired interval and McNemar's test per
+    /// task, and bits per byte.
+    fn paired_table(&self) -> String {
+        let tasks: Vec<&String> = self
+            .gate_rows
+            .iter()
+            .flat_map(|g| g.paired.keys())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let mut md = String::from("\n## Quality against f16 on the same text and items\n\nPer task: accuracy Δ (points) [paired 95 % interval], McNemar's exact p (items only the mode / only f16 answered correctly).\n\n| mode | bits per byte (vs f16) |");
+        for t in &tasks {
+            md.push_str(&format!(" {t} |"));
+        }
+        md.push_str("\n|---|---|");
+        md.push_str(&"---|".repeat(tasks.len()));
+        md.push('\n');
+        for g in &self.gate_rows {
+            md.push_str(&format!(
+                "| {} | {} |",
+                g.mode,
+                match (g.bits_per_byte, g.bpb_increase) {
+                    (Some(b), Some(i)) => format!("{b:.4} ({:+.2} %)", 100.0 * i),
+                    (Some(b), None) => format!("{b:.4}"),
+                    _ => "—".into(),
+                }
+            ));
+            for t in &tasks {
+                match g.paired.get(*t) {
+                    Some(d) => md.push_str(&format!(
+                        " {:+.1} [{:+.1}, {:+.1}], p {:.3} ({}/{}), n {} |",
+                        d.delta_points,
+                        d.lo_points,
+                        d.hi_points,
+                        d.mcnemar_p,
+                        d.only_mode,
+                        d.only_baseline,
+                        d.n
+                    )),
+                    None => md.push_str(" — |"),
+                }
+            }
+            md.push('\n');
+        }
         md
     }
 }
@@ -674,7 +738,7 @@ impl TraceReport {
             md = md.replace(
                 "\n\n| router |",
                 &format!(
-                    " Not replayed (they fail the gate for some class of the table above): {}.\n\n| router |",
+                    " Fixed modes not replayed (they fail the gate for some class of the table above, or were not asked for with --trace-fixed): {}.\n\n| router |",
                     self.skipped_fixed.join(", ")
                 ),
             );

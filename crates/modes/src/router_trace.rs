@@ -111,6 +111,8 @@ pub struct TraceOptions {
     pub rate: f64,
     pub mix: Vec<(TraceClass, f64)>,
     pub seed: u64,
+    /// Fixed modes to replay (empty: every one that passes the gate for every class).
+    pub fixed: Vec<Mode>,
 }
 
 /// One request of the trace.
@@ -257,6 +259,7 @@ pub fn replay(
     let start = Instant::now();
     let mut waiters = Vec::with_capacity(trace.len());
     let mut violations = 0;
+    let mut refused = 0;
     let mut chosen: BTreeMap<String, usize> = BTreeMap::new();
     for r in trace {
         let due = Duration::from_secs_f64(r.at_s);
@@ -286,14 +289,21 @@ pub fn replay(
         let engine = engines
             .get(&d.mode)
             .ok_or_else(|| ModesError::Invalid(format!("{} is not loaded", d.mode)))?;
-        let stream = engine.add_request(EngineRequest {
+        let stream = match engine.add_request(EngineRequest {
             prompt: r.prompt.clone(),
             params: SamplingParams {
                 max_tokens: r.output,
                 ignore_eos: true,
                 ..SamplingParams::default()
             },
-        })?;
+        }) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(mode = %d.mode, "trace request refused: {e}");
+                refused += 1;
+                continue;
+            }
+        };
         in_flight.fetch_add(1, Ordering::SeqCst);
         let counter = Arc::clone(&in_flight);
         waiters.push((
@@ -309,7 +319,7 @@ pub fn replay(
     let mut ttfts = Vec::new();
     let mut per_class: BTreeMap<TraceClass, Vec<f64>> = BTreeMap::new();
     let mut tokens = 0;
-    let mut failed = 0;
+    let mut failed = refused;
     let mut last = start;
     for (class, w) in waiters {
         match w.join() {

@@ -53,6 +53,11 @@ pub struct FitReport {
     pub choices: Vec<FitChoice>,
     /// Classes without a rule, and why.
     pub skipped: Vec<(String, String)>,
+    /// The one mode admitted for every fitted class with the least summed latency over
+    /// their cells (each class counted once), and that sum.
+    pub best_fixed: Option<(Mode, f64)>,
+    /// The fitted modes' summed latency over the same cells.
+    pub fitted_latency_s: f64,
 }
 
 struct FitClass {
@@ -123,6 +128,10 @@ pub fn fit(
     let mut rules = Vec::new();
     let mut choices = Vec::new();
     let mut skipped = Vec::new();
+    // Per mode: summed latency over the cells of the classes it is admitted for, and how many
+    // those are (a mode admitted for every fitted class can serve them all alone).
+    let mut per_mode: std::collections::BTreeMap<Mode, (f64, usize)> = Default::default();
+    let mut fitted_classes = 0;
     for class in &CLASSES {
         let cells: Vec<&String> = class
             .cells
@@ -153,7 +162,7 @@ pub fn fit(
         candidates.sort_by(|a, b| a.1.total_cmp(&b.1));
         let mut refused = Vec::new();
         let mut chosen = None;
-        for &(mode, latency) in &candidates {
+        let reasons = |mode: Mode| -> Vec<String> {
             let mut why: Vec<String> = gate
                 .failures(&matrix.quality, mode, class.id)
                 .iter()
@@ -167,17 +176,30 @@ pub fn fit(
                     }
                 }
             }
+            why
+        };
+        let admitted = |mode: Mode| reasons(mode).is_empty();
+        for &(mode, latency) in &candidates {
+            let why = reasons(mode);
             if why.is_empty() {
                 chosen = Some((mode, latency));
                 break;
             }
             refused.push((mode, why));
         }
+        for &(mode, latency) in &candidates {
+            if admitted(mode) {
+                let e = per_mode.entry(mode).or_insert((0.0, 0));
+                e.0 += latency;
+                e.1 += 1;
+            }
+        }
         // f16 is measured in every cell and always admitted, so a mode is always chosen.
         let (mode, latency_s) = chosen.ok_or_else(|| RouterError::InvalidCell {
             cell: cells[0].clone(),
             reason: "no mode is admitted, not even f16".into(),
         })?;
+        fitted_classes += 1;
         rules.push(Rule::new(class.id, (class.when)(), mode));
         choices.push(FitChoice {
             class: class.id.to_string(),
@@ -190,10 +212,18 @@ pub fn fit(
     }
     rules.push(Rule::new("default", Condition::Always, Mode::BASELINE));
     let policy = Policy::new(classifier, rules)?.with_gate(gate.clone())?;
+    let best_fixed = per_mode
+        .into_iter()
+        .filter(|(_, (_, n))| *n == fitted_classes)
+        .min_by(|a, b| a.1 .0.total_cmp(&b.1 .0))
+        .map(|(m, (t, _))| (m, t));
+    let fitted_latency_s = choices.iter().map(|c| c.latency_s).sum();
     Ok(FitReport {
         policy,
         choices,
         skipped,
+        best_fixed,
+        fitted_latency_s,
     })
 }
 
@@ -249,6 +279,13 @@ impl FitReport {
         }
         for (class, why) in &self.skipped {
             md.push_str(&format!("| {class} | — | no rule | | | | {why} |\n"));
+        }
+        if let Some((mode, t)) = self.best_fixed {
+            md.push_str(&format!(
+                "\nOver these cells (each class once): the best single mode admitted for every class is **{mode}** ({t:.3} s); the fitted modes take {:.3} s, so routing by class could gain at most **{:.3}x** over it here.\n",
+                self.fitted_latency_s,
+                t / self.fitted_latency_s
+            ));
         }
         md
     }

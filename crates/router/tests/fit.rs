@@ -188,6 +188,14 @@ fn fit_picks_what_a_hand_computation_picks_for_every_class() {
             "the matrix has no memory-pressure cell (f16 must be measured there)".to_string()
         )]
     );
+    // One mode for every class: int8 (int8+continuous-batching lacks the shared-prefix cell).
+    // Summed over the classes' cells: batch 3.0, shared-prefix 1.2, math 4.2, multiple-choice
+    // 1.5, prefill-heavy 0.9, decode-heavy 4.2, interactive 0.6 = 15.6 s; the fitted modes:
+    // 1.5 + 1.2 + 4.2 + 1.3 + 0.9 + 4.2 + 0.6 = 13.9 s.
+    let (mode, t) = report.best_fixed.unwrap();
+    assert_eq!(mode, Mode::Int8);
+    assert!((t - 15.6).abs() < 1e-9, "{t}");
+    assert!((report.fitted_latency_s - 13.9).abs() < 1e-9);
     let last = report.policy.rules().last().unwrap();
     assert_eq!((last.id.as_str(), last.mode), ("default", Mode::F16));
 
