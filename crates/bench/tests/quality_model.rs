@@ -110,14 +110,19 @@ fn twenty_arc_challenge_items() {
     assert_eq!(score.n, 20);
     assert_eq!(score.per_item.len(), 20);
     assert_eq!(score.per_item.iter().filter(|&&c| c).count(), score.correct);
-    assert_eq!(
-        (score.correct, score.correct_norm),
-        (MEASURED_CORRECT, MEASURED_CORRECT_NORM)
-    );
+    assert_eq!((score.correct, score.correct_norm), measured_counts());
 }
 
-/// Measured on this model and these 20 items (acc 0.10, acc_norm 0.30: a 135M model near
-/// chance on the hardest ARC split, with a wide interval on 20 items); scoring is
-/// deterministic, so any change to these counts is a change in the numerics.
-const MEASURED_CORRECT: usize = 2;
-const MEASURED_CORRECT_NORM: usize = 6;
+/// Measured on this model and these 20 items (acc 0.10, acc_norm 0.25–0.30: a 135M model
+/// near chance on the hardest ARC split, with a wide interval on 20 items). Scoring is
+/// deterministic for a given kernel path, so any change to these counts is a change in the
+/// numerics. The AVX-512 and AVX2 kernels sum the int8 dot products in different orders, and
+/// one item's length-normalized choices are close enough for that to flip it.
+fn measured_counts() -> (usize, usize) {
+    match switchyard_kernels::cpu::simd_level() {
+        // Measured on an AVX-512 VNNI machine.
+        switchyard_kernels::cpu::SimdLevel::Avx512 => (2, 6),
+        // Measured on an AMD EPYC with AVX2 and FMA (no AVX-512).
+        _ => (2, 5),
+    }
+}

@@ -148,6 +148,8 @@ pub struct RouterRow {
     pub fallbacks: usize,
     /// Mean time of the decision alone, microseconds.
     pub routing_overhead_us: f64,
+    /// 99th percentile of the decision's time, microseconds.
+    pub routing_p99_us: f64,
     /// Held-out agreement with the oracle (learned routers).
     pub held_out_accuracy: Option<f64>,
     pub modes_chosen: BTreeMap<String, usize>,
@@ -369,10 +371,13 @@ pub fn run(
         progress(&format!("router {label}"));
         let mut decisions: Vec<Decision> = Vec::new();
         let mut overhead = 0.0;
+        let mut each_us = Vec::with_capacity(requests.len());
         for r in &requests {
             let t = Instant::now();
             let d = router.route_among(&r.features, available);
-            overhead += t.elapsed().as_secs_f64();
+            let dt = t.elapsed().as_secs_f64();
+            overhead += dt;
+            each_us.push(1e6 * dt);
             decisions.push(d);
         }
         let mut lat = Vec::new();
@@ -423,6 +428,7 @@ pub fn run(
             constraint_violations: violations,
             fallbacks: decisions.iter().filter(|d| d.fallback).count(),
             routing_overhead_us: 1e6 * overhead / requests.len().max(1) as f64,
+            routing_p99_us: percentile(&each_us, 99.0),
             held_out_accuracy: *held_out_accuracy,
             modes_chosen: chosen,
             by_class: per_class
@@ -552,7 +558,7 @@ pub fn run(
 impl RouterReport {
     pub fn markdown(&self) -> String {
         let mut md = format!(
-            "# Router table: {}\n\nEnergy: {}.\n\nQuality gate: bits per byte at most +{:.1} % over f16, and on the tasks that stand for a request's class the lower end of the paired 95 % interval above −{} points. A violation is a request served in a mode that fails the gate (or a constraint) for its class.\n\n| router | requests | mean latency (s) | speedup vs f16 | accuracy Δ (points) | gate violations | fallbacks | routing overhead (µs) | held-out agreement with the oracle | modes chosen |\n|---|---|---|---|---|---|---|---|---|---|\n",
+            "# Router table: {}\n\nEnergy: {}.\n\nQuality gate: bits per byte at most +{:.1} % over f16, and on the tasks that stand for a request's class the lower end of the paired 95 % interval above −{} points. A violation is a request served in a mode that fails the gate (or a constraint) for its class.\n\n| router | requests | mean latency (s) | speedup vs f16 | accuracy Δ (points) | gate violations | fallbacks | routing mean / P99 (µs) | held-out agreement with the oracle | modes chosen |\n|---|---|---|---|---|---|---|---|---|---|\n",
             self.model,
             self.energy,
             100.0 * self.gate.max_bpb_increase,
@@ -560,7 +566,7 @@ impl RouterReport {
         );
         for r in &self.rows {
             md.push_str(&format!(
-                "| {} | {} | {:.3} | {:.2}x | {} | {} | {} | {:.2} | {} | {} |\n",
+                "| {} | {} | {:.3} | {:.2}x | {} | {} | {} | {:.2} / {:.2} | {} | {} |\n",
                 r.router,
                 r.requests,
                 r.mean_latency_s,
@@ -570,6 +576,7 @@ impl RouterReport {
                 r.constraint_violations,
                 r.fallbacks,
                 r.routing_overhead_us,
+                r.routing_p99_us,
                 r.held_out_accuracy
                     .map_or("—".into(), |a| format!("{:.1}%", 100.0 * a)),
                 r.modes_chosen
