@@ -408,10 +408,7 @@ pub fn run(
             if let (Some(a), Some(b)) = (accuracy(d.mode), base_acc) {
                 acc_delta.push(a - b);
             }
-            let admitted = oracle
-                .cell_for(&r.features)
-                .is_some_and(|cell| oracle.admits(cell, &classes[i], d.mode));
-            if !admitted || d.fallback {
+            if !oracle.admits_request(&r.features, d.mode) || d.fallback {
                 violations += 1;
             }
         }
@@ -737,19 +734,18 @@ impl TraceReport {
             .map(|(c, w)| format!("{}={w}", c.name()))
             .collect::<Vec<_>>()
             .join(", ");
+        let skipped = if self.skipped_fixed.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " Fixed modes not replayed (they fail the gate for some class of the table above, or were not asked for with --trace-fixed): {}.",
+                self.skipped_fixed.join(", ")
+            )
+        };
         let mut md = format!(
-            "\n## Under traffic: {} requests, Poisson arrivals at {} per second ({mix})\n\nEvery mode's engine loaded at once; each request routed at its arrival (queue depth: requests then in flight) and served in its mode's engine.\n\n| router | mean latency (s) | P50 (s) | P99 (s) | mean TTFT (s) | output tok/s | gate violations | failed | most in flight | modes chosen |\n|---|---|---|---|---|---|---|---|---|---|\n",
+            "\n## Under traffic: {} requests, Poisson arrivals at {} per second ({mix})\n\nEvery mode's engine loaded at once; each request routed at its arrival (queue depth: requests then in flight) and served in its mode's engine.{skipped}\n\n| router | mean latency (s) | P50 (s) | P99 (s) | mean TTFT (s) | output tok/s | gate violations | failed | most in flight | modes chosen |\n|---|---|---|---|---|---|---|---|---|---|\n",
             self.requests, self.rate
         );
-        if !self.skipped_fixed.is_empty() {
-            md = md.replace(
-                "\n\n| router |",
-                &format!(
-                    " Fixed modes not replayed (they fail the gate for some class of the table above, or were not asked for with --trace-fixed): {}.\n\n| router |",
-                    self.skipped_fixed.join(", ")
-                ),
-            );
-        }
         for r in &self.rows {
             md.push_str(&format!(
                 "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {} | {} | {} | {} |\n",

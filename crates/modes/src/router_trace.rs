@@ -279,11 +279,7 @@ pub fn replay(
         };
         let d = router.route_among(&features, available);
         *chosen.entry(d.mode.to_string()).or_default() += 1;
-        let class = oracle.class_for(&features);
-        let admitted = oracle
-            .cell_for(&features)
-            .is_some_and(|cell| oracle.admits(cell, &class, d.mode));
-        if !admitted || d.fallback {
+        if !oracle.admits_request(&features, d.mode) || d.fallback {
             violations += 1;
         }
         let engine = engines

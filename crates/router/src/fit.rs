@@ -131,7 +131,6 @@ pub fn fit(
     // Per mode: summed latency over the cells of the classes it is admitted for, and how many
     // those are (a mode admitted for every fitted class can serve them all alone).
     let mut per_mode: std::collections::BTreeMap<Mode, (f64, usize)> = Default::default();
-    let mut fitted_classes = 0;
     for class in &CLASSES {
         let cells: Vec<&String> = class
             .cells
@@ -199,7 +198,6 @@ pub fn fit(
             cell: cells[0].clone(),
             reason: "no mode is admitted, not even f16".into(),
         })?;
-        fitted_classes += 1;
         rules.push(Rule::new(class.id, (class.when)(), mode));
         choices.push(FitChoice {
             class: class.id.to_string(),
@@ -214,7 +212,7 @@ pub fn fit(
     let policy = Policy::new(classifier, rules)?.with_gate(gate.clone())?;
     let best_fixed = per_mode
         .into_iter()
-        .filter(|(_, (_, n))| *n == fitted_classes)
+        .filter(|(_, (_, n))| *n == choices.len())
         .min_by(|a, b| a.1 .0.total_cmp(&b.1 .0))
         .map(|(m, (t, _))| (m, t));
     let fitted_latency_s = choices.iter().map(|c| c.latency_s).sum();

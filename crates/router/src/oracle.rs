@@ -228,6 +228,9 @@ pub struct Oracle {
     constraints: Constraints,
     classifier: RuleConfig,
     gate: Gate,
+    /// Per gate class the matrix can route to (its cells' classes, math, multiple-choice,
+    /// memory-pressure), the modes that pass the gate: judged once, not per decision.
+    passing: BTreeMap<String, ModeSet>,
 }
 
 /// The rule every oracle decision reports.
@@ -248,19 +251,46 @@ impl Oracle {
         matrix.validate()?;
         constraints.validate()?;
         classifier.validate()?;
-        Ok(Oracle {
+        let mut oracle = Oracle {
             matrix,
             constraints,
             classifier,
             gate: Gate::default(),
-        })
+            passing: BTreeMap::new(),
+        };
+        oracle.judge();
+        Ok(oracle)
     }
 
     /// The same oracle judging quality with `gate`.
     pub fn with_gate(mut self, gate: Gate) -> Result<Oracle> {
         gate.validate()?;
         self.gate = gate;
+        self.judge();
         Ok(self)
+    }
+
+    /// Fills `passing` for every class a request can be judged in.
+    fn judge(&mut self) {
+        let classes = self.matrix.cells.keys().map(|c| gate::cell_class(c)).chain(
+            [
+                gate::CLASS_MATH,
+                gate::CLASS_MULTIPLE_CHOICE,
+                gate::CLASS_MEMORY_PRESSURE,
+            ]
+            .map(str::to_string),
+        );
+        let mut passing = BTreeMap::new();
+        for class in classes {
+            let mut set = ModeSet::empty();
+            for mode in Mode::ALL {
+                if self.gate.passes(&self.matrix.quality, mode, &class) {
+                    set.insert(mode);
+                }
+            }
+            passing.insert(class, set);
+        }
+        self.passing = passing;
     }
 
     pub fn gate(&self) -> &Gate {
@@ -277,6 +307,13 @@ impl Oracle {
         self.cell_for(f).map_or(class, gate::cell_class)
     }
 
+    /// Whether `mode` may serve this request: admitted in the request's cell for its class.
+    pub fn admits_request(&self, f: &RequestFeatures, mode: Mode) -> bool {
+        let class = self.class_for(f);
+        self.cell_for(f)
+            .is_some_and(|cell| self.admits(cell, &class, mode))
+    }
+
     /// Whether `mode` may serve requests of `class` in `cell`: the constraints against the
     /// cell's f16 and the quality gate for the class.
     pub fn admits(&self, cell: &str, class: &str, mode: Mode) -> bool {
@@ -286,7 +323,10 @@ impl Oracle {
         match (modes.get(&mode), modes.get(&Mode::BASELINE)) {
             (Some(m), Some(base)) => {
                 self.constraints.admits(m, base)
-                    && self.gate.passes(&self.matrix.quality, mode, class)
+                    && self.passing.get(class).map_or_else(
+                        || self.gate.passes(&self.matrix.quality, mode, class),
+                        |set| set.contains(mode),
+                    )
             }
             _ => false,
         }
