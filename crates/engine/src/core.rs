@@ -559,6 +559,7 @@ impl EngineCore {
         drop(copy);
         let _span = tracing::debug_span!("sample", rows = rows.len()).entered();
         let _t = prof::time(Part::Sample);
+        self.prepare_masks(&rows);
         let mut sampled = Vec::with_capacity(rows.len());
         let mut exits = HashMap::with_capacity(rows.len());
         let mut top = HashMap::new();
@@ -605,6 +606,28 @@ impl EngineCore {
             );
         }
         Ok((sampled, exits, top))
+    }
+
+    /// Computes the masks of every constrained row about to be sampled, spread over the
+    /// compute pool (each row's llguidance mask is independent of the others'), so a batch of
+    /// constrained rows costs about one mask per thread instead of one per row on this thread.
+    fn prepare_masks(&mut self, rows: &[(RequestId, u32)]) {
+        let ids: std::collections::HashSet<RequestId> = rows.iter().map(|(id, _)| *id).collect();
+        let constraints: Vec<std::sync::Mutex<&mut Constraint>> = self
+            .requests
+            .iter_mut()
+            .filter(|(id, _)| ids.contains(id))
+            .filter_map(|(_, r)| r.constraint.as_mut())
+            .map(std::sync::Mutex::new)
+            .collect();
+        if constraints.len() < 2 {
+            return;
+        }
+        switchyard_kernels::pool::run(constraints.len(), &|i| {
+            if let Ok(mut c) = constraints[i].lock() {
+                c.prepare();
+            }
+        });
     }
 
     /// Tests `probe`'s exits below the serving depth on every sampled row from the next step

@@ -13,7 +13,7 @@
 use std::sync::{Arc, OnceLock};
 
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
+use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use switchyard_request::Guide;
 use switchyard_tokenizer::Tokenizer;
@@ -124,7 +124,10 @@ impl GrammarCompiler {
         if let Some(e) = matcher.get_error() {
             return Err(invalid(e));
         }
-        Ok(Constraint { matcher })
+        Ok(Constraint {
+            matcher,
+            prepared: None,
+        })
     }
 }
 
@@ -139,6 +142,8 @@ fn compact(mut schema: serde_json::Value) -> serde_json::Value {
 /// One request's constraint as it generates.
 pub struct Constraint {
     matcher: Matcher,
+    /// The next position's mask, computed ahead by [`Constraint::prepare`].
+    prepared: Option<SimpleVob>,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -150,13 +155,25 @@ impl std::fmt::Debug for Constraint {
 }
 
 impl Constraint {
+    /// Computes the next position's mask now, so that [`Constraint::mask`] only applies it:
+    /// the engine prepares every constrained row of a step at once on the compute pool
+    /// instead of one row after another. An error is left for `mask` to report.
+    pub fn prepare(&mut self) {
+        if self.prepared.is_none() {
+            self.prepared = self.matcher.compute_mask_or_eos().ok();
+        }
+    }
+
     /// Sets the logits of every token the constraint does not allow next to −∞. Once the
     /// output is complete only the end-of-sequence token stays.
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
-        let mask = self
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| GrammarError::Parser(e.to_string()))?;
+        let mask = match self.prepared.take() {
+            Some(m) => m,
+            None => self
+                .matcher
+                .compute_mask_or_eos()
+                .map_err(|e| GrammarError::Parser(e.to_string()))?,
+        };
         // Word by word: most words of a mask are all allowed (inside a JSON string, say) or
         // all banned, and cost one comparison.
         let n = logits.len();
@@ -185,6 +202,7 @@ impl Constraint {
 
     /// Records the sampled token (ignored once the output is complete).
     pub fn advance(&mut self, token: u32) -> Result<()> {
+        self.prepared = None;
         if self.matcher.is_stopped() {
             return Ok(());
         }

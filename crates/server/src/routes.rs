@@ -775,9 +775,9 @@ struct StreamState {
     usage: Usage,
     /// The echoed prompt (completions' `echo`), sent in each choice's first chunk.
     echo: String,
-    /// Per choice, with tools in play: the text held back until the choice ends, when its
-    /// tool calls are parsed out of it.
-    held: Vec<String>,
+    /// Per choice, with tools in play: its text turned into content and tool-call deltas as
+    /// it arrives.
+    calls: Vec<crate::tools::CallStreamer>,
     /// Events left to send after the last token: usage, [DONE].
     tail: Vec<Event>,
     finished: bool,
@@ -808,6 +808,9 @@ impl StreamState {
     ) -> Self {
         let n = req.n;
         let echo = echo_text(&req, upstream.local());
+        let calls = (0..n)
+            .map(|i| crate::tools::CallStreamer::new(&format!("{id}_{i}").replace('-', "")))
+            .collect();
         Self {
             state,
             name,
@@ -822,7 +825,7 @@ impl StreamState {
             open: n,
             usage: Usage::new(0, 0, 0),
             echo,
-            held: vec![String::new(); n],
+            calls,
             tail: Vec::new(),
             finished: false,
             abort_reason: "client_disconnect",
@@ -988,6 +991,36 @@ fn json_event<T: serde::Serialize>(v: &T) -> Event {
     Event::default().data(serde_json::to_string(v).unwrap_or_else(|_| "{}".into()))
 }
 
+/// One chunk's content and OpenAI `tool_calls` deltas from what a [`CallStreamer`] gave: a
+/// call's first delta carries its id, type and name, the others more of its arguments.
+///
+/// [`CallStreamer`]: crate::tools::CallStreamer
+fn tool_deltas(deltas: Vec<crate::tools::StreamDelta>) -> (Option<String>, Option<Vec<Value>>) {
+    use crate::tools::StreamDelta;
+    let mut content: Option<String> = None;
+    let mut calls: Vec<Value> = Vec::new();
+    for d in deltas {
+        match d {
+            StreamDelta::Content(c) => content.get_or_insert_with(String::new).push_str(&c),
+            StreamDelta::CallStart { index, id, name } => calls.push(json!({
+                "index": index, "id": id, "type": "function",
+                "function": {"name": name, "arguments": ""},
+            })),
+            StreamDelta::Arguments { index, text } => match calls.last_mut() {
+                Some(last) if last["index"] == json!(index) => {
+                    let joined = format!(
+                        "{}{text}",
+                        last["function"]["arguments"].as_str().unwrap_or_default()
+                    );
+                    last["function"]["arguments"] = json!(joined);
+                }
+                _ => calls.push(json!({"index": index, "function": {"arguments": text}})),
+            },
+        }
+    }
+    (content, (!calls.is_empty()).then_some(calls))
+}
+
 fn usage_chunk(st: &StreamState, usage: Usage) -> Value {
     let object = match st.req.endpoint {
         Endpoint::Completions => "text_completion",
@@ -1036,30 +1069,22 @@ fn chunk(st: &mut StreamState, index: usize, o: &RequestOutput) -> Event {
             })
         }
         Endpoint::Chat if st.req.tools.as_ref().is_some_and(|t| t.parses_calls()) => {
-            if let Some(h) = st.held.get_mut(index) {
-                h.push_str(&o.text);
+            let Some(streamer) = st.calls.get_mut(index) else {
+                return Event::default().comment("");
+            };
+            let mut deltas = streamer.feed(&o.text);
+            if o.finish_reason.is_some() {
+                deltas.extend(streamer.finish());
             }
-            if o.finish_reason.is_none() {
-                // Nothing is sent until the choice ends: a comment keeps the stream moving.
+            let finish = match finish.as_deref() {
+                Some("stop") if streamer.calls() > 0 => Some("tool_calls".to_string()),
+                _ => finish,
+            };
+            if deltas.is_empty() && finish.is_none() && !first {
+                // Text held back (a tag may be arriving): a comment keeps the stream moving.
                 return Event::default().comment("");
             }
-            let text = st
-                .held
-                .get_mut(index)
-                .map(std::mem::take)
-                .unwrap_or_default();
-            let (message, finish) =
-                assistant_message(&st.req, text, finish, &format!("{}_{index}", st.id));
-            let calls = message.tool_calls.map(|calls| {
-                calls
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, mut c)| {
-                        c["index"] = json!(i);
-                        c
-                    })
-                    .collect()
-            });
+            let (content, calls) = tool_deltas(deltas);
             json_event(&ChatChunk {
                 id: st.id.clone(),
                 object: "chat.completion.chunk".into(),
@@ -1068,8 +1093,8 @@ fn chunk(st: &mut StreamState, index: usize, o: &RequestOutput) -> Event {
                 choices: vec![ChatChunkChoice {
                     index,
                     delta: ChatDelta {
-                        role: Some("assistant".to_string()),
-                        content: message.content,
+                        role: first.then(|| "assistant".to_string()),
+                        content,
                         tool_calls: calls,
                     },
                     logprobs: None,

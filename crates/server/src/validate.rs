@@ -299,7 +299,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
     if logprobs && stream && tools.as_ref().is_some_and(|t| t.parses_calls()) {
         return Err(ApiError::unsupported(
             "logprobs",
-            "a streamed answer with tools is sent whole when it ends (its calls are parsed first); log-probabilities are not streamed with it",
+            "a streamed answer with tools holds text back while it parses tool calls, so per-token log-probabilities would not line up with its deltas; they are not streamed with it",
         ));
     }
     if echo && logprobs {

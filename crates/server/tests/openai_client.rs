@@ -1,5 +1,6 @@
 //! The official OpenAI Python client against the server, and /metrics through the Prometheus
-//! client's text-format parser (both installed into a cached virtualenv on first use).
+//! client's text-format parser; structured outputs and tool calls through the official client
+//! and LangChain's `ChatOpenAI` (all installed into a cached virtualenv on first use).
 
 mod common;
 
@@ -9,7 +10,13 @@ use std::process::Command;
 use common::{start, MODEL};
 
 /// Pinned versions of the Python clients the test drives.
-const CLIENTS: &[&str] = &["openai==3.57.0", "prometheus_client==0.26.0"];
+const CLIENTS: &[&str] = &[
+    "openai==3.57.0",
+    "prometheus_client==0.26.0",
+    "jsonschema==4.26.0",
+    "langchain-core==1.8.3",
+    "langchain-openai==1.7.4",
+];
 
 /// A virtualenv with the clients, under the Switchyard cache (made once, under a file lock).
 fn client_python() -> PathBuf {
@@ -66,12 +73,23 @@ async fn official_openai_client_and_prometheus_parser() {
         .expect("template");
     let chat = tok.encode(&chat_text, true, true).expect("encode").len();
     let expected = serde_json::json!({"completion": completion, "chat": chat}).to_string();
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/python/openai_client.py");
-    let base = s.base.clone();
+    run_checks(
+        python,
+        "openai_client.py",
+        vec![s.base.clone(), MODEL.into(), expected],
+    )
+    .await;
+}
+
+/// Runs `tests/python/<script>` with `args`; its checks passed when it printed "ok" alone.
+async fn run_checks(python: PathBuf, script: &str, args: Vec<String>) {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/python")
+        .join(script);
     let out = tokio::task::spawn_blocking(move || {
         Command::new(python)
             .arg(script)
-            .args([&base, MODEL, &expected])
+            .args(args)
             .output()
             .expect("python runs")
     })
@@ -84,4 +102,24 @@ async fn official_openai_client_and_prometheus_parser() {
         "python checks failed:\n{stdout}\n{stderr}"
     );
     assert_eq!(stdout.trim(), "ok");
+}
+
+const QWEN: &str = "qwen2.5-coder-0.5b-instruct";
+
+/// Structured outputs (50 schema-bound prompts on each model, half streamed, all in flight at
+/// once; json_object; the client's `parse` with a Pydantic model; guided regex and choice)
+/// and a tool-call round trip (streamed deltas joined to the same call), through the official
+/// client; then LangChain's structured output and tool round trip, plain and streamed. The
+/// checks are in `tests/python/clients_structured.py`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_client_and_langchain_structured_outputs_and_tools() {
+    let python = tokio::task::spawn_blocking(client_python)
+        .await
+        .expect("venv");
+    let s = start(&format!(
+        "[[models]]\nname = \"{QWEN}\"\nmemory_budget = \"1GiB\"\n[[models]]\nname = \"{MODEL}\"\nmemory_budget = \"1GiB\"\n"
+    ))
+    .await;
+    let args = vec![s.base.clone(), MODEL.into(), QWEN.into()];
+    run_checks(python, "clients_structured.py", args).await;
 }

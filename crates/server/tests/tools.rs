@@ -78,6 +78,7 @@ async fn a_tool_call_round_trip_on_qwen() {
     let mut name = String::new();
     let mut arguments = String::new();
     let mut finish = Value::Null;
+    let mut pieces = 0;
     for d in sse_data(&text).iter().filter(|d| *d != "[DONE]") {
         let c: Value = serde_json::from_str(d).expect("chunk");
         let choice = &c["choices"][0];
@@ -87,8 +88,12 @@ async fn a_tool_call_round_trip_on_qwen() {
             .flatten()
         {
             assert_eq!(tc["index"], 0);
+            // The id, type and name come once, in the call's first delta.
+            assert_eq!(tc["id"].is_string(), name.is_empty(), "{tc}");
             name.push_str(tc["function"]["name"].as_str().unwrap_or(""));
-            arguments.push_str(tc["function"]["arguments"].as_str().unwrap_or(""));
+            let piece = tc["function"]["arguments"].as_str().unwrap_or("");
+            pieces += usize::from(!piece.is_empty());
+            arguments.push_str(piece);
         }
         if !choice["finish_reason"].is_null() {
             finish = choice["finish_reason"].clone();
@@ -96,6 +101,8 @@ async fn a_tool_call_round_trip_on_qwen() {
     }
     assert_eq!(finish, "tool_calls");
     assert_eq!(name, "get_weather");
+    // Streamed as the tokens come, not whole at the end.
+    assert!(pieces >= 5, "the arguments came in {pieces} pieces");
     assert_eq!(
         arguments,
         call["function"]["arguments"].as_str().unwrap_or("")
