@@ -211,12 +211,26 @@ pub struct BackendSection {
     /// The name clients ask for here.
     pub name: String,
     /// Base URL, e.g. "http://10.0.0.7:8000" (the `/v1/...` paths are appended).
-    pub url: String,
+    pub url: Option<String>,
+    /// Several replicas of the same model instead of one `url`: each request goes to the
+    /// healthy one with the fewest requests in flight.
+    pub urls: Option<Vec<String>>,
     /// The model name on the remote server (default: `name`).
     pub model: Option<String>,
     pub api_key: Option<String>,
     pub timeout_s: Option<u64>,
     pub health_interval_s: Option<u64>,
+}
+
+impl BackendSection {
+    /// Every URL of the backend: `url` alone, or each of `urls`.
+    pub fn replica_urls(&self) -> Vec<String> {
+        match (&self.url, &self.urls) {
+            (Some(u), _) => vec![u.clone()],
+            (None, Some(us)) => us.clone(),
+            (None, None) => Vec::new(),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -358,15 +372,38 @@ impl Config {
                 w[0]
             )));
         }
-        if let Some(b) = self
-            .backends
-            .iter()
-            .find(|b| !(b.url.starts_with("http://") || b.url.starts_with("https://")))
-        {
-            return Err(ConfigError::Invalid(format!(
-                "backend {:?}: url {:?} must start with http:// or https://",
-                b.name, b.url
-            )));
+        for b in &self.backends {
+            match (&b.url, &b.urls) {
+                (Some(_), Some(_)) => {
+                    return Err(ConfigError::Invalid(format!(
+                        "backend {:?}: give `url` or `urls`, not both",
+                        b.name
+                    )))
+                }
+                (None, None) => {
+                    return Err(ConfigError::Invalid(format!(
+                        "backend {:?}: `url` (or `urls` for replicas) is required",
+                        b.name
+                    )))
+                }
+                (None, Some(u)) if u.is_empty() => {
+                    return Err(ConfigError::Invalid(format!(
+                        "backend {:?}: `urls` is empty",
+                        b.name
+                    )))
+                }
+                _ => {}
+            }
+            if let Some(u) = b
+                .replica_urls()
+                .into_iter()
+                .find(|u| !(u.starts_with("http://") || u.starts_with("https://")))
+            {
+                return Err(ConfigError::Invalid(format!(
+                    "backend {:?}: url {u:?} must start with http:// or https://",
+                    b.name
+                )));
+            }
         }
         if self.server.max_in_flight == 0 || self.server.max_body_bytes == 0 {
             return Err(ConfigError::Invalid(
@@ -573,5 +610,33 @@ mod tests {
                 .unwrap_err()
                 .to_string();
         assert!(err.contains("must start with http://"), "{err}");
+        let backend = |urls: &str| {
+            Config::parse(&format!(
+                "[[backends]]\nkind = \"openai\"\nname = \"r\"\n{urls}\n"
+            ))
+        };
+        let cfg = backend("urls = [\"http://a:1\", \"https://b:2/\"]").expect("replicas");
+        assert_eq!(
+            cfg.backends[0].replica_urls(),
+            vec!["http://a:1".to_string(), "https://b:2/".to_string()]
+        );
+        for (urls, want) in [
+            (
+                "url = \"http://a\"\nurls = [\"http://b\"]",
+                "backend \"r\": give `url` or `urls`, not both",
+            ),
+            (
+                "",
+                "backend \"r\": `url` (or `urls` for replicas) is required",
+            ),
+            ("urls = []", "backend \"r\": `urls` is empty"),
+            (
+                "urls = [\"http://a\", \"b:1\"]",
+                "backend \"r\": url \"b:1\" must start with http:// or https://",
+            ),
+        ] {
+            let err = backend(urls).unwrap_err().to_string();
+            assert_eq!(err, want);
+        }
     }
 }

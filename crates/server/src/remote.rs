@@ -1,6 +1,9 @@
 //! A model served by a remote OpenAI-compatible server (vLLM, SGLang, llama.cpp's server,
-//! another Switchyard): requests are forwarded with the remote model name, streams are relayed
-//! byte for byte, failures become OpenAI errors, and a background task health-checks it.
+//! another Switchyard), or by several replicas of one: requests are forwarded with the remote
+//! model name to the healthy replica with the fewest requests in flight, streams are relayed
+//! byte for byte, a request that fails before any of its answer came back is retried once on
+//! another replica, failures become OpenAI errors naming the backend, and a background task
+//! health-checks every replica (one that fails is skipped until it passes again).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -18,16 +21,48 @@ use crate::validate::ValidRequest;
 /// Time allowed to open a connection to a backend.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// One URL of a backend, with its own health and load.
+struct Replica {
+    url: String,
+    healthy: AtomicBool,
+    /// Requests forwarded to it and not finished (relayed streams included).
+    in_flight: AtomicUsize,
+}
+
+/// Counts a request against its replica until dropped.
+struct ReplicaLoad {
+    model: Arc<RemoteModel>,
+    replica: usize,
+}
+
+impl Drop for ReplicaLoad {
+    fn drop(&mut self) {
+        if let Some(r) = self.model.replicas.get(self.replica) {
+            r.in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// How one attempt on one replica failed.
+enum Attempt {
+    /// Before any of the answer came back (connection refused or reset, or the replica
+    /// answered 502/503): another replica may serve the request.
+    Retryable(String),
+    /// Otherwise (a timeout: the replica may still be generating).
+    Final(ApiError),
+}
+
 pub struct RemoteModel {
     pub name: String,
-    url: String,
+    replicas: Vec<Replica>,
     remote_model: String,
     api_key: Option<String>,
     client: reqwest::Client,
-    healthy: AtomicBool,
     health_interval: Duration,
     timeout_s: u64,
     in_flight: AtomicUsize,
+    /// Rotates the choice among equally loaded replicas.
+    turn: AtomicUsize,
 }
 
 /// Counts a forwarded request as in flight until dropped.
@@ -41,6 +76,14 @@ impl Drop for RemoteAdmission {
     }
 }
 
+/// A replica's state, for `/admin/stats`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ReplicaStatus {
+    pub url: String,
+    pub healthy: bool,
+    pub in_flight: usize,
+}
+
 impl RemoteModel {
     pub fn new(section: &BackendSection) -> Result<Self, ApiError> {
         let timeout_s = section.timeout_s.unwrap_or(DEFAULT_REQUEST_TIMEOUT_S);
@@ -50,16 +93,24 @@ impl RemoteModel {
             .timeout(timeout)
             .build()
             .map_err(|e| ApiError::Internal(format!("building the HTTP client: {e}")))?;
+        let replicas = section
+            .replica_urls()
+            .into_iter()
+            .map(|u| Replica {
+                url: u.trim_end_matches('/').to_string(),
+                healthy: AtomicBool::new(true),
+                in_flight: AtomicUsize::new(0),
+            })
+            .collect();
         Ok(Self {
             name: section.name.clone(),
-            url: section.url.trim_end_matches('/').to_string(),
+            replicas,
             remote_model: section
                 .model
                 .clone()
                 .unwrap_or_else(|| section.name.clone()),
             api_key: section.api_key.clone(),
             client,
-            healthy: AtomicBool::new(true),
             health_interval: Duration::from_secs(
                 section
                     .health_interval_s
@@ -67,15 +118,30 @@ impl RemoteModel {
             ),
             timeout_s,
             in_flight: AtomicUsize::new(0),
+            turn: AtomicUsize::new(0),
         })
     }
 
+    /// Whether any replica passed its last health check.
     pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::SeqCst)
+        self.replicas
+            .iter()
+            .any(|r| r.healthy.load(Ordering::SeqCst))
     }
 
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::SeqCst)
+    }
+
+    pub fn replicas(&self) -> Vec<ReplicaStatus> {
+        self.replicas
+            .iter()
+            .map(|r| ReplicaStatus {
+                url: r.url.clone(),
+                healthy: r.healthy.load(Ordering::SeqCst),
+                in_flight: r.in_flight.load(Ordering::SeqCst),
+            })
+            .collect()
     }
 
     pub fn admit(self: &Arc<Self>, limit: usize) -> Result<RemoteAdmission, ApiError> {
@@ -96,37 +162,109 @@ impl RemoteModel {
         }
     }
 
+    /// The healthy replica with the fewest requests in flight, other than `skip`; ties go
+    /// round the replicas in turn.
+    fn pick(&self, skip: Option<usize>) -> Option<usize> {
+        let n = self.replicas.len();
+        let start = self.turn.fetch_add(1, Ordering::Relaxed);
+        (0..n)
+            .map(|k| (start + k) % n)
+            .filter(|&i| Some(i) != skip && self.replicas[i].healthy.load(Ordering::SeqCst))
+            .min_by_key(|&i| self.replicas[i].in_flight.load(Ordering::SeqCst))
+    }
+
+    fn mark_down(&self, i: usize, why: &str) {
+        if self.replicas[i].healthy.swap(false, Ordering::SeqCst) {
+            tracing::warn!(backend = %self.name, url = %self.replicas[i].url, reason = why, "replica marked down");
+        }
+    }
+
+    /// One attempt on replica `i`: the answer's head, with the replica counted as loaded
+    /// until the returned guard is dropped.
+    async fn attempt(
+        self: &Arc<Self>,
+        i: usize,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> Result<(reqwest::Response, ReplicaLoad), Attempt> {
+        let replica = &self.replicas[i];
+        replica.in_flight.fetch_add(1, Ordering::SeqCst);
+        let load = ReplicaLoad {
+            model: Arc::clone(self),
+            replica: i,
+        };
+        let mut r = self
+            .client
+            .post(format!("{}{path}", replica.url))
+            .json(body);
+        if let Some(k) = &self.api_key {
+            r = r.bearer_auth(k);
+        }
+        match r.send().await {
+            Ok(resp)
+                if matches!(
+                    resp.status(),
+                    reqwest::StatusCode::BAD_GATEWAY | reqwest::StatusCode::SERVICE_UNAVAILABLE
+                ) =>
+            {
+                Err(Attempt::Retryable(format!(
+                    "{} answered {}",
+                    replica.url,
+                    resp.status()
+                )))
+            }
+            Ok(resp) => Ok((resp, load)),
+            Err(e) if e.is_timeout() => Err(Attempt::Final(ApiError::Timeout(self.timeout_s))),
+            Err(e) => {
+                self.mark_down(i, &e.to_string());
+                Err(Attempt::Retryable(format!("{}: {e}", replica.url)))
+            }
+        }
+    }
+
     /// Forwards the request: `body` as the client sent it (fields this server does not know
-    /// included), with the remote's model name. A streamed answer is relayed unchanged as it
-    /// arrives.
+    /// included), with the remote's model name, to the least loaded healthy replica. A
+    /// request that fails before any of its answer came back is tried once more on another
+    /// replica. A streamed answer is relayed unchanged as it arrives.
     pub async fn forward(
         self: &Arc<Self>,
         req: &ValidRequest,
         body: &[u8],
         admission: RemoteAdmission,
     ) -> Result<Response, ApiError> {
-        if !self.is_healthy() {
-            return Err(self.unavailable("the last health check failed"));
-        }
         let mut body: serde_json::Value = serde_json::from_slice(body)
             .map_err(|e| ApiError::Malformed(format!("the request body is not valid JSON: {e}")))?;
         if let Some(o) = body.as_object_mut() {
             o.insert("model".into(), self.remote_model.clone().into());
         }
-        let mut r = self
-            .client
-            .post(format!("{}{}", self.url, req.endpoint.path()))
-            .json(&body);
-        if let Some(k) = &self.api_key {
-            r = r.bearer_auth(k);
-        }
-        let resp = r.send().await.map_err(|e| {
-            if e.is_timeout() {
-                ApiError::Timeout(self.timeout_s)
+        let path = req.endpoint.path();
+        let first = self.pick(None).ok_or_else(|| {
+            self.unavailable(if self.replicas.len() == 1 {
+                "the last health check failed".to_string()
             } else {
-                self.unavailable(e.to_string())
-            }
+                format!(
+                    "all {} replicas failed their last health check",
+                    self.replicas.len()
+                )
+            })
         })?;
+        let (resp, load) = match self.attempt(first, path, &body).await {
+            Ok(ok) => ok,
+            Err(Attempt::Final(e)) => return Err(e),
+            Err(Attempt::Retryable(why)) => match self.pick(Some(first)) {
+                None => return Err(self.unavailable(why)),
+                Some(second) => {
+                    tracing::warn!(backend = %self.name, failed = %why, retry = %self.replicas[second].url, "retrying on another replica");
+                    match self.attempt(second, path, &body).await {
+                        Ok(ok) => ok,
+                        Err(Attempt::Final(e)) => return Err(e),
+                        Err(Attempt::Retryable(again)) => {
+                            return Err(self.unavailable(format!("{why}; then {again}")))
+                        }
+                    }
+                }
+            },
+        };
         let status =
             StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
         let content_type = resp
@@ -139,7 +277,7 @@ impl RemoteModel {
             .map_err(std::io::Error::other)
             .inspect_ok(move |_| {
                 // Keeps the request counted until the relayed stream ends or is dropped.
-                let _ = &admission;
+                let _ = (&admission, &load);
             });
         let mut out = Body::from_stream(stream).into_response();
         *out.status_mut() = status;
@@ -147,24 +285,31 @@ impl RemoteModel {
         Ok(out)
     }
 
-    /// Whether the remote answers its model list: the health check.
-    async fn check(&self) -> bool {
-        let mut r = self.client.get(format!("{}/v1/models", self.url));
+    /// Whether replica `i` answers its model list: the health check.
+    async fn check(&self, i: usize) -> bool {
+        let mut r = self
+            .client
+            .get(format!("{}/v1/models", self.replicas[i].url));
         if let Some(k) = &self.api_key {
             r = r.bearer_auth(k);
         }
         matches!(r.timeout(CONNECT_TIMEOUT).send().await, Ok(resp) if resp.status().is_success())
     }
 
-    /// Health-checks the backend every `health_interval` until the process ends.
+    /// Health-checks every replica every `health_interval` until the process ends: a replica
+    /// that fails is skipped until it passes again.
     pub async fn health_loop(self: Arc<Self>) {
         loop {
-            let ok = self.check().await;
-            if ok != self.healthy.swap(ok, Ordering::SeqCst) {
-                if ok {
-                    tracing::info!(backend = %self.name, "backend is healthy again");
-                } else {
-                    tracing::warn!(backend = %self.name, url = %self.url, "backend health check failed");
+            for i in 0..self.replicas.len() {
+                let ok = self.check(i).await;
+                let r = &self.replicas[i];
+                if ok != r.healthy.swap(ok, Ordering::SeqCst) {
+                    // Warned as the failure was, so the log that shows one shows the other.
+                    if ok {
+                        tracing::warn!(backend = %self.name, url = %r.url, "replica is healthy again");
+                    } else {
+                        tracing::warn!(backend = %self.name, url = %r.url, "replica health check failed");
+                    }
                 }
             }
             tokio::time::sleep(self.health_interval).await;

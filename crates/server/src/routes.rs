@@ -1401,7 +1401,8 @@ pub async fn admin_stats(State(state): State<Arc<AppState>>) -> Response {
                 Err(e) => json!({"error": e.to_string()}),
             },
             Served::Remote(r) => {
-                json!({"remote": true, "healthy": r.is_healthy(), "in_flight": r.in_flight()})
+                json!({"remote": true, "healthy": r.is_healthy(), "in_flight": r.in_flight(),
+                       "replicas": r.replicas()})
             }
             Served::Helios(h) => match h.orchestrator.stats().await {
                 Ok(stats) => serde_json::to_value(stats).unwrap_or(Value::Null),
