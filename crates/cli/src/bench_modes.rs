@@ -72,6 +72,9 @@ pub struct BenchModesArgs {
     /// GPTQ's calibration documents (ShareGPT calibration split, 256 tokens each).
     #[arg(long, default_value_t = GptqSettings::default().docs)]
     gptq_docs: usize,
+    /// Run GPTQ on `q4-awq`'s activation-aware scaled weights.
+    #[arg(long)]
+    gptq_awq_scales: bool,
     /// Write the report as JSON to FILE (stdout when omitted).
     #[arg(long, value_name = "FILE", num_args = 0..=1)]
     json: Option<Option<PathBuf>>,
@@ -308,6 +311,7 @@ fn assets(a: &BenchModesArgs, modes: &[Mode]) -> anyhow::Result<ModeAssets> {
         let settings = GptqSettings {
             damp: a.gptq_damp,
             docs: a.gptq_docs,
+            awq_scales: a.gptq_awq_scales,
             ..GptqSettings::default()
         };
         let t0 = std::time::Instant::now();

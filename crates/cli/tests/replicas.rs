@@ -269,4 +269,10 @@ fn replicas_share_the_load_and_a_killed_one_loses_no_request() {
     ] {
         assert!(log.contains(what), "no {what:?} in the front's log:\n{log}");
     }
+    // A request's log lines carry its id.
+    assert!(
+        log.lines()
+            .any(|l| l.contains("retrying on another replica") && l.contains("request_id=")),
+        "{log}"
+    );
 }

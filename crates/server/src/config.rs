@@ -122,6 +122,10 @@ pub struct ServerSection {
     /// the request (freeing its K/V blocks and its place).
     pub write_timeout_s: u64,
     pub shutdown_grace_s: u64,
+    /// Origins a browser may call the API from (CORS), e.g. `["https://app.example"]`, or
+    /// `["*"]` for any. Empty (the default): no CORS headers, so browsers refuse
+    /// cross-origin calls.
+    pub cors_allowed_origins: Vec<String>,
 }
 
 impl Default for ServerSection {
@@ -137,6 +141,7 @@ impl Default for ServerSection {
             body_timeout_s: DEFAULT_BODY_TIMEOUT_S,
             write_timeout_s: DEFAULT_WRITE_TIMEOUT_S,
             shutdown_grace_s: DEFAULT_SHUTDOWN_GRACE_S,
+            cors_allowed_origins: Vec::new(),
         }
     }
 }

@@ -26,6 +26,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
 
@@ -79,11 +80,73 @@ pub fn router(state: Arc<AppState>) -> Router {
         state.clone(),
         auth::require_key,
     ));
-    Router::new()
+    let cors = cors_layer(&state.config.cors_allowed_origins);
+    let app = Router::new()
         .merge(protected)
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
-        .with_state(state)
+        .with_state(state);
+    let app = match cors {
+        Some(c) => app.layer(c),
+        None => app,
+    };
+    // Outermost: every request gets an `x-request-id` (the client's, or a new UUID), which
+    // comes back in the response headers and is a field of every log line the request's
+    // handling writes (its span).
+    let x_request_id = axum::http::HeaderName::from_static("x-request-id");
+    app.layer(
+        tower::ServiceBuilder::new()
+            .layer(tower_http::request_id::SetRequestIdLayer::new(
+                x_request_id.clone(),
+                tower_http::request_id::MakeRequestUuid,
+            ))
+            .layer(axum::middleware::from_fn(request_span))
+            .layer(tower_http::request_id::PropagateRequestIdLayer::new(
+                x_request_id,
+            )),
+    )
+}
+
+/// Runs the rest of the request inside a span named for its id.
+async fn request_span(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    use tracing::Instrument;
+    let id = req
+        .extensions()
+        .get::<tower_http::request_id::RequestId>()
+        .and_then(|id| id.header_value().to_str().ok())
+        .unwrap_or("-")
+        .to_string();
+    // At error level, so the span is enabled under every filter (the default is `warn`)
+    // and every line the request writes, at any level, carries its id.
+    let span = tracing::error_span!("request", request_id = %id);
+    next.run(req).instrument(span).await
+}
+
+/// CORS for the configured origins; `None` (no CORS headers at all) when there are none.
+fn cors_layer(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    if origins.is_empty() {
+        return None;
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(
+            origins
+                .iter()
+                .filter_map(|o| axum::http::HeaderValue::from_str(o).ok()),
+        )
+    };
+    Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods([axum::http::Method::GET, axum::http::Method::POST])
+            .allow_headers([
+                axum::http::header::AUTHORIZATION,
+                axum::http::header::CONTENT_TYPE,
+            ])
+            .expose_headers([axum::http::HeaderName::from_static("x-request-id")]),
+    )
 }
 
 /// Starts every configured engine and backend.

@@ -249,7 +249,7 @@ impl Choices {
         let id = first.id();
         let (tx, rx) = tokio::sync::mpsc::channel(STREAM_BUFFER);
         let handle = model.handle.clone();
-        let launcher = tokio::spawn(async move {
+        let launcher = tokio::spawn(tracing::Instrument::in_current_span(async move {
             let mut rest = tokio::task::JoinSet::new();
             let mut started = n == 1;
             let mut stream = first;
@@ -276,7 +276,7 @@ impl Choices {
             }
             drop(tx);
             while rest.join_next().await.is_some() {}
-        });
+        }));
         Ok(Self {
             id,
             n,
@@ -839,7 +839,8 @@ impl StreamState {
     fn into_response(mut self) -> Response {
         let (tx, rx) = tokio::sync::mpsc::channel(STREAM_BUFFER);
         let write_timeout = Duration::from_secs(self.state.config.write_timeout_s);
-        tokio::spawn(async move {
+        // The request's span (its id) goes with the task, so its log lines carry the id.
+        tokio::spawn(tracing::Instrument::in_current_span(async move {
             while let Some(event) = self.next_event().await {
                 match tokio::time::timeout(write_timeout, tx.send(Ok(event))).await {
                     Ok(Ok(())) => {}
@@ -848,7 +849,7 @@ impl StreamState {
                     Err(_) => return self.stalled(),
                 }
             }
-        });
+        }));
         Sse::new(tokio_stream::wrappers::ReceiverStream::<
             Result<Event, Infallible>,
         >::new(rx))

@@ -324,3 +324,103 @@ async fn an_unreachable_backend_is_a_502() {
     assert_eq!(st, 502, "{v}");
     assert_eq!(v["error"]["type"], "service_unavailable");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_response_carries_a_request_id_and_cors_is_off_unless_configured() {
+    let s = start("").await;
+    let c = common::client();
+    let id_of = |r: &reqwest::Response| {
+        r.headers()
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    };
+    // A new UUID per request when the client sends none, on answers and errors alike.
+    let a = c
+        .get(format!("{}/health", s.base))
+        .send()
+        .await
+        .expect("sent");
+    let (st, headers, _) = post(&s.base, "/v1/completions", "{", JSON, None).await;
+    assert_eq!(st, 400);
+    let b = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let uuid = |id: &str| {
+        let parts: Vec<usize> = id.split('-').map(str::len).collect();
+        parts == [8, 4, 4, 4, 12] && id.chars().all(|ch| ch == '-' || ch.is_ascii_hexdigit())
+    };
+    assert!(uuid(&id_of(&a)), "{:?}", id_of(&a));
+    assert!(uuid(&b), "{b:?}");
+    assert_ne!(id_of(&a), b);
+    // The client's own id is kept.
+    let r = c
+        .post(format!("{}/v1/completions", s.base))
+        .header("x-request-id", "trace-42.a_b")
+        .json(&json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2}))
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(r.status(), 200);
+    assert_eq!(id_of(&r), "trace-42.a_b");
+
+    // No CORS configured: a browser's preflight and request get no CORS headers.
+    let preflight = |base: String, origin: &'static str| {
+        let c = c.clone();
+        async move {
+            c.request(
+                reqwest::Method::OPTIONS,
+                format!("{base}/v1/chat/completions"),
+            )
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .header(
+                "access-control-request-headers",
+                "authorization,content-type",
+            )
+            .send()
+            .await
+            .expect("sent")
+        }
+    };
+    let allow = |r: &reqwest::Response| {
+        r.headers()
+            .get("access-control-allow-origin")
+            .map(|v| v.to_str().unwrap_or_default().to_string())
+    };
+    let r = preflight(s.base.clone(), "https://app.example").await;
+    assert_eq!(allow(&r), None);
+    let r = c
+        .get(format!("{}/v1/models", s.base))
+        .header("origin", "https://app.example")
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(r.status(), 200);
+    assert_eq!(allow(&r), None);
+
+    // Configured: the listed origin is allowed, another is not.
+    let s = start("[server]\ncors_allowed_origins = [\"https://app.example\"]\n").await;
+    let r = preflight(s.base.clone(), "https://app.example").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(allow(&r).as_deref(), Some("https://app.example"));
+    let methods = r
+        .headers()
+        .get("access-control-allow-methods")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    assert!(methods.contains("POST"), "{methods}");
+    let r = preflight(s.base.clone(), "https://evil.example").await;
+    assert_eq!(allow(&r), None);
+    let r = c
+        .get(format!("{}/v1/models", s.base))
+        .header("origin", "https://app.example")
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(allow(&r).as_deref(), Some("https://app.example"));
+}
