@@ -87,6 +87,11 @@ pub struct GptqSettings {
     /// Calibration documents (ShareGPT's calibration split) and their length in tokens.
     pub docs: usize,
     pub doc_tokens: usize,
+    /// Run GPTQ on the activation-aware scaled weights of `q4-awq` instead of the file's
+    /// (AWQ's scales first, then GPTQ's error compensation on the scaled matrices; the scaled
+    /// norms the scales fold into are kept beside the 4-bit blocks).
+    #[serde(default)]
+    pub awq_scales: bool,
 }
 
 impl Default for GptqSettings {
@@ -99,6 +104,7 @@ impl Default for GptqSettings {
             outlier_norm: 20.0,
             docs: 32,
             doc_tokens: 256,
+            awq_scales: false,
         }
     }
 }
@@ -150,6 +156,9 @@ pub struct MatrixReport {
 pub struct GptqCalibration {
     /// By canonical tensor name.
     pub tensors: HashMap<String, QuantizedMatrix>,
+    /// Float tensors served in place of the file's beside the 4-bit blocks: with
+    /// `awq_scales`, the norms AWQ's scales are folded into (f32). Empty otherwise.
+    pub float_tensors: HashMap<String, RawTensor>,
     pub reports: Vec<MatrixReport>,
     pub calibration_tokens: usize,
     pub settings: GptqSettings,
@@ -649,7 +658,7 @@ pub fn calibrate(
             tensors.insert(name, q);
         }
         // The next layer sees this one's output through the 4-bit kernels.
-        let overlay = overlay(Arc::clone(&source), &tensors);
+        let overlay = OverlaySource::new(Arc::clone(&source), "GPTQ 4-bit", raw_blocks(&tensors));
         let loader = TensorLoader {
             src: &overlay,
             device: &device,
@@ -663,6 +672,7 @@ pub fn calibrate(
     }
     Ok(GptqCalibration {
         tensors,
+        float_tensors: HashMap::new(),
         reports,
         calibration_tokens: tokens,
         settings: *settings,
@@ -671,14 +681,18 @@ pub fn calibrate(
 
 /// The model's weights with GPTQ's 4-bit matrices in place of the originals.
 pub fn gptq_source(inner: Arc<dyn WeightSource>, calibration: &GptqCalibration) -> OverlaySource {
-    overlay(inner, &calibration.tensors)
+    let mut all = raw_blocks(&calibration.tensors);
+    all.extend(
+        calibration
+            .float_tensors
+            .iter()
+            .map(|(k, t)| (k.clone(), t.clone())),
+    );
+    OverlaySource::new(inner, "GPTQ 4-bit", all)
 }
 
-fn overlay(
-    inner: Arc<dyn WeightSource>,
-    tensors: &HashMap<String, QuantizedMatrix>,
-) -> OverlaySource {
-    let tensors = tensors
+fn raw_blocks(tensors: &HashMap<String, QuantizedMatrix>) -> HashMap<String, RawTensor> {
+    tensors
         .iter()
         .map(|(k, m)| {
             let raw = RawTensor {
@@ -688,8 +702,7 @@ fn overlay(
             };
             (k.clone(), raw)
         })
-        .collect();
-    OverlaySource::new(inner, "GPTQ 4-bit", tensors)
+        .collect()
 }
 
 /// The GPTQ cache: one safetensors file per (model, settings), holding each matrix's raw
@@ -704,10 +717,12 @@ pub mod cache {
     use sha2::{Digest, Sha256};
 
     use super::{GptqCalibration, GptqSettings, MatrixReport, QuantizedMatrix};
+    use crate::overlay::RawTensor;
     use crate::{ModesError, Result};
 
     /// Bumped whenever the algorithm or the file layout changes, so old results are remade.
-    pub const FORMAT_VERSION: u32 = 1;
+    /// 2: float tensors (AWQ-scaled norms) beside the blocks, shapes of any rank.
+    pub const FORMAT_VERSION: u32 = 2;
     const META_KEY: &str = "switchyard.gptq";
 
     #[derive(Debug, Serialize, Deserialize)]
@@ -723,8 +738,9 @@ pub mod cache {
     #[derive(Debug, Serialize, Deserialize)]
     struct Entry {
         name: String,
+        /// "q4_0" or "q4_k" (GPTQ's blocks), "f32" (a float tensor served as it is).
         dtype: String,
-        shape: [usize; 2],
+        shape: Vec<usize>,
     }
 
     /// The cache file of the model with SHA-256 `model_sha256` under `settings`, in `dir`.
@@ -738,8 +754,26 @@ pub mod cache {
     fn dtype_name(d: GgmlDType) -> &'static str {
         match d {
             GgmlDType::Q4_0 => "q4_0",
+            GgmlDType::F32 => "f32",
             _ => "q4_k",
         }
+    }
+
+    /// Every tensor of `cal` as (name, dtype, shape, bytes), blocks and float tensors alike,
+    /// in name order.
+    fn entries(cal: &GptqCalibration) -> Vec<(&str, GgmlDType, Vec<usize>, &[u8])> {
+        let mut all: Vec<(&str, GgmlDType, Vec<usize>, &[u8])> = cal
+            .tensors
+            .iter()
+            .map(|(n, m)| (n.as_str(), m.dtype, m.shape.to_vec(), m.bytes.as_slice()))
+            .chain(
+                cal.float_tensors
+                    .iter()
+                    .map(|(n, t)| (n.as_str(), t.dtype, t.shape.clone(), t.bytes.as_slice())),
+            )
+            .collect();
+        all.sort_by(|a, b| a.0.cmp(b.0));
+        all
     }
 
     /// Writes `cal` to `path` (through a temporary file, so a reader never sees half of it).
@@ -749,27 +783,25 @@ pub mod cache {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(io)?;
         }
-        let mut names: Vec<&String> = cal.tensors.keys().collect();
-        names.sort();
+        let all = entries(cal);
         let meta = Meta {
             format_version: FORMAT_VERSION,
             model_sha256: model_sha256.to_string(),
             settings: cal.settings,
             calibration_tokens: cal.calibration_tokens,
-            tensors: names
+            tensors: all
                 .iter()
-                .map(|n| Entry {
+                .map(|(n, dtype, shape, _)| Entry {
                     name: n.to_string(),
-                    dtype: dtype_name(cal.tensors[*n].dtype).into(),
-                    shape: cal.tensors[*n].shape,
+                    dtype: dtype_name(*dtype).into(),
+                    shape: shape.clone(),
                 })
                 .collect(),
             reports: cal.reports.clone(),
         };
-        let views = names
+        let views = all
             .iter()
-            .map(|n| {
-                let bytes = &cal.tensors[*n].bytes;
+            .map(|(n, _, _, bytes)| {
                 TensorView::new(Dtype::U8, vec![bytes.len()], bytes)
                     .map(|v| (n.to_string(), v))
                     .map_err(|e| ModesError::Invalid(format!("GPTQ cache tensor {n}: {e}")))
@@ -828,36 +860,64 @@ pub mod cache {
         }
         let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
         let mut tensors = HashMap::new();
+        let mut float_tensors = HashMap::new();
         for e in meta.tensors {
             let dtype = match e.dtype.as_str() {
                 "q4_0" => GgmlDType::Q4_0,
                 "q4_k" => GgmlDType::Q4K,
+                "f32" => GgmlDType::F32,
                 other => return Err(bad(format!("{}: unknown block type {other:?}", e.name))),
             };
             let t = st
                 .tensor(&e.name)
                 .map_err(|_| bad(format!("tensor {} is missing", e.name)))?;
-            let [rows, cols] = e.shape;
-            let want = rows * cols / dtype.block_size() * dtype.type_size();
-            if t.dtype() != Dtype::U8 || t.data().len() != want {
+            let values = e.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+            let want = values
+                .filter(|v| v % dtype.block_size() == 0)
+                .and_then(|v| (v / dtype.block_size()).checked_mul(dtype.type_size()));
+            if t.dtype() != Dtype::U8 || Some(t.data().len()) != want {
                 return Err(bad(format!(
-                    "tensor {} holds {} bytes, {want} expected for {rows}x{cols} {}",
+                    "tensor {} holds {} bytes, not what {:?} {} takes",
                     e.name,
                     t.data().len(),
+                    e.shape,
                     e.dtype
                 )));
             }
-            tensors.insert(
-                e.name,
-                QuantizedMatrix {
-                    dtype,
-                    shape: e.shape,
-                    bytes: t.data().to_vec(),
-                },
-            );
+            let bytes = t.data().to_vec();
+            match (dtype, <[usize; 2]>::try_from(e.shape.as_slice())) {
+                (GgmlDType::F32, _) => {
+                    let shape = e.shape;
+                    float_tensors.insert(
+                        e.name,
+                        RawTensor {
+                            dtype,
+                            shape,
+                            bytes,
+                        },
+                    );
+                }
+                (_, Ok(shape)) => {
+                    tensors.insert(
+                        e.name,
+                        QuantizedMatrix {
+                            dtype,
+                            shape,
+                            bytes,
+                        },
+                    );
+                }
+                (_, Err(_)) => {
+                    return Err(bad(format!(
+                        "tensor {}: 4-bit blocks of shape {:?}, not a matrix",
+                        e.name, e.shape
+                    )))
+                }
+            }
         }
         Ok(Some(GptqCalibration {
             tensors,
+            float_tensors,
             reports: meta.reports,
             calibration_tokens: meta.calibration_tokens,
             settings: meta.settings,

@@ -38,6 +38,11 @@ impl OverlaySource {
             tensors,
         }
     }
+
+    /// The replacement for `name`, if there is one.
+    pub fn raw(&self, name: &str) -> Option<&RawTensor> {
+        self.tensors.get(name)
+    }
 }
 
 impl WeightSource for OverlaySource {
