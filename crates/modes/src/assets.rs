@@ -83,23 +83,9 @@ pub fn calibrate_gptq(
     }
     let docs = sharegpt_calibration(tokenizer, settings.docs, settings.doc_tokens)?;
     let c = if settings.awq_scales {
-        // AWQ's scales first (its own calibration documents), then GPTQ on the scaled
-        // matrices; the scaled tensors GPTQ does not quantize (the norms the scales fold
-        // into) are served beside its blocks.
         tracing::info!("GPTQ: calibrating the activation-aware scales first");
         let awq = calibrate_awq(Arc::clone(&source), tokenizer, |_, _| {})?;
-        let scaled = Arc::new(awq::scaled_source(source, &awq)?);
-        let scaled_tensors: Vec<String> = awq.tensors.keys().cloned().collect();
-        let mut c = gptq::calibrate(scaled.clone(), &docs, QuantTarget::Q4, settings, progress)?;
-        for name in scaled_tensors {
-            if !c.tensors.contains_key(&name) {
-                let t = scaled.raw(&name).ok_or_else(|| {
-                    ModesError::Invalid(format!("AWQ's scaled tensor {name} is missing"))
-                })?;
-                c.float_tensors.insert(name, t.clone());
-            }
-        }
-        c
+        gptq::calibrate_on_awq(source, &awq, &docs, QuantTarget::Q4, settings, progress)?
     } else {
         gptq::calibrate(source, &docs, QuantTarget::Q4, settings, progress)?
     };

@@ -679,6 +679,31 @@ pub fn calibrate(
     })
 }
 
+/// GPTQ over `awq`'s activation-aware scaled weights of `source` (what `awq_scales` asks
+/// for): the scaled matrices are quantized as [`calibrate`] quantizes the file's, and the
+/// scaled tensors GPTQ does not quantize (the norms the scales fold into) are kept beside
+/// the blocks as f32, so [`gptq_source`] over the original `source` serves the pair.
+pub fn calibrate_on_awq(
+    source: Arc<dyn WeightSource>,
+    awq: &crate::awq::AwqCalibration,
+    docs: &[Vec<u32>],
+    target: QuantTarget,
+    settings: &GptqSettings,
+    progress: impl FnMut(usize, usize),
+) -> Result<GptqCalibration> {
+    let scaled = Arc::new(crate::awq::scaled_source(source, awq)?);
+    let mut c = calibrate(scaled.clone(), docs, target, settings, progress)?;
+    for name in awq.tensors.keys() {
+        if !c.tensors.contains_key(name) {
+            let t = scaled.raw(name).ok_or_else(|| {
+                ModesError::Invalid(format!("AWQ's scaled tensor {name} is missing"))
+            })?;
+            c.float_tensors.insert(name.clone(), t.clone());
+        }
+    }
+    Ok(c)
+}
+
 /// The model's weights with GPTQ's 4-bit matrices in place of the originals.
 pub fn gptq_source(inner: Arc<dyn WeightSource>, calibration: &GptqCalibration) -> OverlaySource {
     let mut all = raw_blocks(&calibration.tensors);
@@ -1327,10 +1352,84 @@ mod tests {
         };
         assert_ne!(cache::path(dir.path(), &"ab".repeat(32), &other), path);
         let err = cache::load(&path, &"ab".repeat(32), &other).unwrap_err();
-        assert!(err.to_string().contains("not format 1 from"), "{err}");
+        assert!(err.to_string().contains("not format 2 from"), "{err}");
         // A truncated file is an error, not a panic.
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
         assert!(cache::load(&path, &"ab".repeat(32), &settings).is_err());
+    }
+
+    #[test]
+    fn gptq_on_awq_scales_serves_the_scaled_norms_and_round_trips() {
+        let spec = SyntheticSource::tiny_spec(Architecture::Qwen2);
+        let src: Arc<dyn WeightSource> =
+            Arc::new(SyntheticSource::new(spec, 5, GgmlDType::F32).unwrap());
+        let mut rng = StdRng::seed_from_u64(2);
+        let docs: Vec<Vec<u32>> = (0..4)
+            .map(|_| (0..48).map(|_| rng.random_range(0..256u32)).collect())
+            .collect();
+        let settings = GptqSettings {
+            docs: 4,
+            doc_tokens: 48,
+            awq_scales: true,
+            ..GptqSettings::default()
+        };
+        let awq =
+            crate::awq::calibrate(Arc::clone(&src), &docs, QuantTarget::Q4, |_, _| {}).unwrap();
+        let cal = calibrate_on_awq(
+            Arc::clone(&src),
+            &awq,
+            &docs,
+            QuantTarget::Q4,
+            &settings,
+            |_, _| {},
+        )
+        .unwrap();
+        // Every matrix is GPTQ's; every other scaled tensor (the norms) is kept as f32.
+        assert_eq!(cal.tensors.len(), 4 * 7);
+        let floats: std::collections::BTreeSet<&String> = cal.float_tensors.keys().collect();
+        let want: std::collections::BTreeSet<&String> = awq
+            .tensors
+            .keys()
+            .filter(|k| !cal.tensors.contains_key(*k))
+            .collect();
+        assert_eq!(floats, want);
+        assert!(!floats.is_empty(), "the scales fold into some norms");
+        for (name, t) in &cal.float_tensors {
+            assert_eq!(t.dtype, GgmlDType::F32);
+            let expect: Vec<f32> = awq.tensors[name].flatten_all().unwrap().to_vec1().unwrap();
+            let got = gptq_source(Arc::clone(&src), &cal)
+                .load(name, &Device::Cpu)
+                .unwrap()
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            assert_eq!(got, expect, "{name} served as AWQ scaled it");
+        }
+        // GPTQ still beats round-to-nearest of the scaled matrices.
+        let (e_rtn, e_gptq) = cal.total_error();
+        assert!(e_gptq < 0.8 * e_rtn, "{e_gptq:e} vs {e_rtn:e}");
+        // The float tensors go through the cache with the blocks.
+        let dir = tempfile::tempdir().unwrap();
+        let path = cache::path(dir.path(), &"cd".repeat(32), &settings);
+        cache::save(&path, &"cd".repeat(32), &cal).unwrap();
+        let back = cache::load(&path, &"cd".repeat(32), &settings)
+            .unwrap()
+            .unwrap();
+        assert_eq!(back.float_tensors.len(), cal.float_tensors.len());
+        for (k, v) in &cal.float_tensors {
+            assert_eq!(back.float_tensors[k].bytes, v.bytes);
+            assert_eq!(back.float_tensors[k].shape, v.shape);
+        }
+        assert_eq!(back.tensors.len(), cal.tensors.len());
+        // Without the scales the settings key another file.
+        let plain = GptqSettings {
+            awq_scales: false,
+            ..settings
+        };
+        assert_ne!(cache::path(dir.path(), &"cd".repeat(32), &plain), path);
     }
 }
