@@ -965,4 +965,121 @@ mod tests {
             .to_string()
             .starts_with("the request body is not valid UTF-8"));
     }
+
+    mod hostile {
+        use super::*;
+        use proptest::prelude::*;
+        use serde_json::Value;
+
+        /// Every parameter name the endpoints read, a few unknown ones, and odd spellings.
+        const KEYS: &[&str] = &[
+            "model",
+            "prompt",
+            "messages",
+            "max_tokens",
+            "max_completion_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "stop",
+            "stream",
+            "stream_options",
+            "n",
+            "best_of",
+            "logprobs",
+            "top_logprobs",
+            "echo",
+            "ignore_eos",
+            "min_tokens",
+            "stop_token_ids",
+            "logit_bias",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "response_format",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "tools",
+            "tool_choice",
+            "functions",
+            "suffix",
+            "user",
+            "role",
+            "content",
+            "type",
+            "json_schema",
+            "schema",
+            "function",
+            "name",
+            "",
+            "\u{0}",
+            "MODEL",
+        ];
+
+        fn json() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::from),
+                any::<i64>().prop_map(Value::from),
+                prop_oneof![Just(f64::MAX), Just(-0.0), Just(1e-300), -1e6f64..1e6].prop_map(|f| {
+                    serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)
+                }),
+                "\\PC{0,12}".prop_map(Value::from),
+                prop::sample::select(KEYS).prop_map(Value::from),
+            ];
+            leaf.prop_recursive(4, 48, 6, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..6).prop_map(Value::from),
+                    prop::collection::vec((prop::sample::select(KEYS), inner), 0..8).prop_map(
+                        |kv| Value::Object(
+                            kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+                        )
+                    ),
+                ]
+            })
+        }
+
+        /// A request body: mostly an object of known keys, sometimes any JSON.
+        fn body() -> impl Strategy<Value = Value> {
+            prop_oneof![
+                4 => prop::collection::vec((prop::sample::select(KEYS), json()), 0..10).prop_map(
+                    |kv| Value::Object(kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+                ),
+                1 => json(),
+            ]
+        }
+
+        proptest! {
+            // CI-sized; `PROPTEST_CASES=1000000` for the long run (reports/README.md).
+            #![proptest_config(ProptestConfig {
+                cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(512),
+                failure_persistence: None,
+                ..ProptestConfig::default()
+            })]
+
+            /// Any JSON body is a valid request or a 4xx that says what is wrong; never a
+            /// panic, never a 5xx.
+            #[test]
+            fn any_json_body_is_accepted_or_a_clear_4xx(b in body(), chat in any::<bool>()) {
+                let endpoint = if chat { Endpoint::Chat } else { Endpoint::Completions };
+                let bytes = serde_json::to_vec(&b).unwrap_or_default();
+                if let Err(e) = parse(endpoint, &bytes) {
+                    prop_assert!(e.status().is_client_error(), "{e} for {b}");
+                    prop_assert!(!e.to_string().is_empty());
+                }
+            }
+
+            /// Any bytes at all: the same.
+            #[test]
+            fn any_bytes_are_accepted_or_a_clear_4xx(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
+                if let Err(e) = parse(Endpoint::Completions, &bytes) {
+                    prop_assert!(e.status().is_client_error(), "{e}");
+                }
+            }
+        }
+    }
 }

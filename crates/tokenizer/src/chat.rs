@@ -25,6 +25,10 @@ pub const MAX_CHAT_PROMPT_BYTES: usize = 4 << 20;
 /// 500, lets a recursive macro run 100 calls deep; real chat templates nest a few levels.
 pub const CHAT_TEMPLATE_RECURSION: usize = 100;
 
+/// Most items a printed sequence or map may have (`{{ ['x'] * 10**12 }}` would print for
+/// ever: printing one value is one instruction, so fuel does not bound it).
+pub const MAX_PRINTED_ITEMS: usize = 100_000;
+
 /// The name the compiled template has in its environment.
 const NAME: &str = "chat";
 
@@ -73,6 +77,15 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_recursion_limit(CHAT_TEMPLATE_RECURSION);
+        env.set_formatter(|out, state, value| {
+            if value.as_str().is_none() && value.len().is_some_and(|n| n > MAX_PRINTED_ITEMS) {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("a value of more than {MAX_PRINTED_ITEMS} items cannot be printed"),
+                ));
+            }
+            minijinja::escape_formatter(out, state, value)
+        });
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
@@ -267,5 +280,80 @@ mod tests {
         let t = "{{ raise_exception('roles must alternate') }}";
         let err = render(t, &[], false, "", "").expect_err("template raises");
         assert!(err.to_string().contains("roles must alternate"), "{err}");
+    }
+
+    /// One repetition asking for a terabyte is refused before it allocates.
+    #[test]
+    fn a_huge_string_repetition_is_refused() {
+        for t in [
+            "{{ 'x' * 1000000000000 }}",
+            "{{ 'ab' * 9223372036854775807 }}",
+            "{{ ['x'] * 1000000000000 }}",
+            "{{ range(1000000000) }}",
+        ] {
+            let err = render_error(t, Duration::from_secs(10));
+            assert!(
+                err.to_string().starts_with("chat template failed"),
+                "{t}: {err}"
+            );
+        }
+    }
+
+    mod hostile {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Pieces of Jinja that cost: loops up to 10^9, repetitions, recursion, nesting,
+        /// filters over the messages, and plain or broken syntax.
+        fn fragment() -> impl Strategy<Value = String> {
+            let n = prop_oneof![Just(0u64), 1u64..100, Just(100_000), Just(1_000_000_000)];
+            prop_oneof![
+                n.clone().prop_map(|n| format!("{{% for i in range({n}) %}}x{{% endfor %}}")),
+                n.clone().prop_map(|n| format!("{{{{ 'ab' * {n} }}}}")),
+                n.clone().prop_map(|n| format!("{{{{ ({n} ~ 'q') | length }}}}")),
+                n.prop_map(|n| format!(
+                    "{{% macro f(k) %}}{{% if k < {n} %}}{{{{ f(k + 1) }}}}{{% endif %}}{{% endmacro %}}{{{{ f(0) }}}}"
+                )),
+                Just("{% for m in messages %}{{ m.role }}: {{ m.content | upper }}{% endfor %}".to_string()),
+                Just("{{ messages[0]['content'] * 3 }}".to_string()),
+                // Not here: a string doubled by `~` in a loop (`{% set s.x = s.x ~ s.x %}` in
+                // a namespace) grows past any memory within its fuel, and minijinja has no
+                // bound on concatenation (its repetition, `*`, stops at 100 MB).
+                Just("{{ raise_exception('no') }}".to_string()),
+                Just("{% if %}".to_string()),
+                Just("{{".to_string()),
+                Just("{% endfor %}".to_string()),
+                "[ -~]{0,12}".prop_map(|s| s.to_string()),
+            ]
+        }
+
+        fn template() -> impl Strategy<Value = String> {
+            prop::collection::vec(fragment(), 1..5).prop_map(|parts| parts.concat())
+        }
+
+        proptest! {
+            // CI-sized; `PROPTEST_CASES=1000000` for the long run (reports/README.md).
+            #![proptest_config(ProptestConfig {
+                cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(256),
+                failure_persistence: None,
+                ..ProptestConfig::default()
+            })]
+
+            /// Any template compiles or is refused; one that compiles renders or fails within
+            /// its bounds: output at most MAX_CHAT_PROMPT_BYTES, never a panic or a hang.
+            #[test]
+            fn any_template_renders_within_its_bounds(t in template(), content in "\\PC{0,40}") {
+                let started = Instant::now();
+                let messages = [ChatMessage::new("user", content)];
+                match ChatTemplate::new(t.clone()) {
+                    Err(e) => prop_assert!(e.to_string().starts_with("chat template"), "{e}"),
+                    Ok(c) => match c.render(&messages, None, true, "<s>", "</s>") {
+                        Ok(out) => prop_assert!(out.len() <= MAX_CHAT_PROMPT_BYTES),
+                        Err(e) => prop_assert!(e.to_string().starts_with("chat template"), "{e}"),
+                    },
+                }
+                prop_assert!(started.elapsed() < Duration::from_secs(5), "{t}: {:?}", started.elapsed());
+            }
+        }
     }
 }

@@ -645,4 +645,60 @@ mod tests {
         assert_eq!(tensor_bytes(GgmlDType::Q4K, &[2, 256]), Some(2 * 144));
         assert_eq!(tensor_bytes(GgmlDType::Q6K, &[1, 512]), Some(2 * 210));
     }
+
+    mod hostile {
+        use super::*;
+        use proptest::prelude::*;
+        use proptest::sample::Index;
+
+        proptest! {
+            // CI-sized; `PROPTEST_CASES=1000000` for the long run (reports/README.md).
+            #![proptest_config(ProptestConfig {
+                cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(1024),
+                failure_persistence: None,
+                ..ProptestConfig::default()
+            })]
+
+            /// A valid file with bytes and 8-byte fields overwritten, and maybe cut: it parses
+            /// or is refused, never panics; what parses points inside the file.
+            #[test]
+            fn mutated_files_parse_or_fail_cleanly(
+                bytes in prop::collection::vec((any::<Index>(), any::<u8>()), 0..8),
+                words in prop::collection::vec(
+                    (any::<Index>(), prop_oneof![Just(u64::MAX), Just(1u64 << 40), 0u64..64, any::<u64>()]),
+                    0..3,
+                ),
+                cut in prop::option::of(any::<Index>()),
+            ) {
+                let mut buf = tiny_file();
+                for (at, b) in bytes {
+                    let n = buf.len();
+                    buf[at.index(n)] = b;
+                }
+                for (at, w) in words {
+                    let start = at.index(buf.len() - 8);
+                    buf[start..start + 8].copy_from_slice(&w.to_le_bytes());
+                }
+                if let Some(c) = cut {
+                    let n = buf.len();
+                    buf.truncate(c.index(n + 1));
+                }
+                if let Ok(p) = parse(&buf) {
+                    for t in &p.tensors {
+                        let end = t.offset.checked_add(t.n_bytes);
+                        prop_assert!(end.is_some_and(|e| e <= buf.len()), "{t:?} in {} bytes", buf.len());
+                    }
+                }
+            }
+
+            /// Random bytes after a valid magic and version.
+            #[test]
+            fn random_headers_fail_cleanly(tail in prop::collection::vec(any::<u8>(), 0..512)) {
+                let mut buf = GGUF_MAGIC.to_le_bytes().to_vec();
+                buf.extend_from_slice(&3u32.to_le_bytes());
+                buf.extend_from_slice(&tail);
+                let _ = parse(&buf);
+            }
+        }
+    }
 }
