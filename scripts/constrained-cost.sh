@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The cost of constrained decoding per output token: the same synthetic chat requests (128
+# prompt tokens, 128 output tokens, --ignore-eos) with and without a JSON schema that keeps
+# every request generating to its limit, against one `switchyard serve`, in alternating rounds.
+#
+#   scripts/constrained-cost.sh                  (ROUNDS=4 CONCURRENCY="32 1")
+#   OUT=reports/constrained ROUNDS=4 scripts/constrained-cost.sh
+#
+# Writes OUT/c{CONCURRENCY}-{plain,schema}-{ROUND}.json and prints the mean-TPOT table.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-reports/constrained}
+ROUNDS=${ROUNDS:-4}
+CONCURRENCY=${CONCURRENCY:-"32 1"}
+PORT=${PORT:-8011}
+MODEL=smollm2-135m-instruct
+mkdir -p "$OUT"
+cargo build --release -p switchyard-cli --quiet
+SY=target/release/switchyard
+$SY models pull "$MODEL" >&2
+cfg=$(mktemp --suffix=.toml)
+printf '[server]\nport = %s\n[[models]]\nname = "%s"\nmemory_budget = "2GiB"\n' "$PORT" "$MODEL" >"$cfg"
+$SY serve --config "$cfg" >&2 &
+pid=$!
+trap 'kill $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -f "$cfg"' EXIT
+for _ in $(seq 1 120); do
+  curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
+  sleep 1
+done
+SCHEMA='{"response_format":{"type":"json_schema","json_schema":{"name":"list","schema":{"type":"array","items":{"type":"string","maxLength":30},"minItems":200}}}}'
+run() { # concurrency kind round
+  local c=$1 kind=$2 r=$3 n=$(($1 * 2))
+  [ "$c" -eq 1 ] && n=6
+  local extra=()
+  [ "$kind" = schema ] && extra=(--extra-body "$SCHEMA")
+  $SY bench serve --url "http://127.0.0.1:$PORT" --model "$MODEL" --dataset synthetic \
+    --input-len 128 --output-len 128 --ignore-eos --endpoint chat --num-prompts "$n" \
+    --max-concurrency "$c" "${extra[@]}" --json "$OUT/c$c-$kind-$r.json" >/dev/null
+}
+# One warm-up request so the first round does not pay the cold start.
+run 1 plain 0 && rm -f "$OUT/c1-plain-0.json"
+for c in $CONCURRENCY; do
+  for r in $(seq 1 "$ROUNDS"); do
+    run "$c" plain "$r"
+    run "$c" schema "$r"
+  done
+done
+python3 - "$OUT" "$ROUNDS" $CONCURRENCY <<'EOF'
+import json, statistics, sys
+out, rounds, cs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+print("| concurrency | round | plain mean TPOT (ms) | constrained | ratio |")
+print("|---|---|---|---|---|")
+for c in cs:
+    ratios = []
+    for r in range(1, rounds + 1):
+        p = json.load(open(f"{out}/c{c}-plain-{r}.json"))["mean_tpot_ms"]
+        s = json.load(open(f"{out}/c{c}-schema-{r}.json"))["mean_tpot_ms"]
+        ratios.append(s / p)
+        print(f"| {c} | {r} | {p:.2f} | {s:.2f} | {s / p:.3f} |")
+    print(f"| {c} | median | | | {statistics.median(ratios):.3f} |")
+EOF
