@@ -75,6 +75,10 @@ pub struct BenchModesArgs {
     /// Run GPTQ on `q4-awq`'s activation-aware scaled weights.
     #[arg(long)]
     gptq_awq_scales: bool,
+    /// Visit GPTQ's columns in order, each block's grid taken from the weights as GPTQ
+    /// reaches it, instead of act-order with the grids of the original weights.
+    #[arg(long)]
+    gptq_no_act_order: bool,
     /// Write the report as JSON to FILE (stdout when omitted).
     #[arg(long, value_name = "FILE", num_args = 0..=1)]
     json: Option<Option<PathBuf>>,
@@ -312,6 +316,7 @@ fn assets(a: &BenchModesArgs, modes: &[Mode]) -> anyhow::Result<ModeAssets> {
             damp: a.gptq_damp,
             docs: a.gptq_docs,
             awq_scales: a.gptq_awq_scales,
+            act_order: !a.gptq_no_act_order,
             ..GptqSettings::default()
         };
         let t0 = std::time::Instant::now();

@@ -1,8 +1,8 @@
-//! A remote backend of three replicas, each its own `switchyard serve` process, behind a
-//! fourth one: requests spread over the replicas by load; one replica killed (SIGKILL) while
-//! requests run on it loses none of the requests that had not started streaming (they are
-//! retried on another replica), is marked down and skipped, and is used again once a process
-//! serves on its address again.
+//! `switchyard serve` as processes. A remote backend of three replicas, each its own process,
+//! behind a fourth one: requests spread over the replicas by load; one replica killed (SIGKILL)
+//! while requests run on it loses none of the requests that had not started streaming (they
+//! are retried on another replica), is marked down and skipped, and is used again once a
+//! process serves on its address again. And API keys never reach the log, even at trace level.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -38,10 +38,15 @@ impl Server {
 }
 
 fn serve(args: &[&str]) -> Server {
+    serve_with(args, &[])
+}
+
+fn serve_with(args: &[&str], env: &[(&str, &str)]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
         .arg("serve")
         .args(args)
         .arg("--admin")
+        .envs(env.iter().copied())
         // One compute thread each: four servers share two cores.
         .env("SWITCHYARD_THREADS", "1")
         .stderr(Stdio::piped())
@@ -78,13 +83,18 @@ fn replica(port: &str) -> Server {
 
 /// One HTTP/1.1 exchange on a fresh connection: (status, body).
 fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    http_with(addr, method, path, body, "")
+}
+
+/// The same with extra header lines (each ending in `\r\n`).
+fn http_with(addr: &str, method: &str, path: &str, body: &str, headers: &str) -> (u16, String) {
     let Ok(mut s) = TcpStream::connect(addr) else {
         return (0, String::new());
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(300)));
     let sent = write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     if sent.is_err() {
@@ -275,4 +285,39 @@ fn replicas_share_the_load_and_a_killed_one_loses_no_request() {
             .any(|l| l.contains("retrying on another replica") && l.contains("request_id=")),
         "{log}"
     );
+}
+
+#[test]
+fn api_keys_never_reach_the_log() {
+    const KEY: &str = "sk-switchyard-test-8f3c2a91";
+    const WRONG: &str = "sk-wrong-77d0e4b6";
+    // Everything logged, from every crate.
+    let server = serve_with(
+        &["--port", "0", "--memory-budget", "256MiB", "--api-key", KEY],
+        &[("RUST_LOG", "trace")],
+    );
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"Hi","max_tokens":2}}"#);
+    let good = format!("Authorization: Bearer {KEY}\r\n");
+    let bad = format!("Authorization: Bearer {WRONG}\r\n");
+    assert_eq!(
+        http_with(&server.addr, "POST", "/v1/completions", &body, &good).0,
+        200
+    );
+    assert_eq!(
+        http_with(&server.addr, "POST", "/v1/completions", &body, &bad).0,
+        401
+    );
+    assert_eq!(
+        http_with(&server.addr, "GET", "/admin/stats", "", &bad).0,
+        401
+    );
+    assert_eq!(
+        http_with(&server.addr, "GET", "/admin/stats", "", &good).0,
+        200
+    );
+    let log = server.stop();
+    assert!(log.contains(" TRACE "), "trace logging is on:\n{log}");
+    for secret in [KEY, WRONG, "8f3c2a91", "77d0e4b6"] {
+        assert!(!log.contains(secret), "{secret} is in the log");
+    }
 }
