@@ -612,6 +612,11 @@ impl EngineCore {
     /// compute pool (each row's llguidance mask is independent of the others'), so a batch of
     /// constrained rows costs about one mask per thread instead of one per row on this thread.
     fn prepare_masks(&mut self, rows: &[(RequestId, u32)]) {
+        // Most steps have no constrained row: nothing to gather.
+        let constrained = self.requests.values().filter(|r| r.constraint.is_some());
+        if constrained.take(2).count() < 2 {
+            return;
+        }
         let ids: std::collections::HashSet<RequestId> = rows.iter().map(|(id, _)| *id).collect();
         let constraints: Vec<std::sync::Mutex<&mut Constraint>> = self
             .requests

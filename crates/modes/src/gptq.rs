@@ -1260,18 +1260,24 @@ mod tests {
         assert_eq!(err, "GPTQ writes Q4_0 or Q4_K blocks, not Q8_0");
     }
 
+    /// The tiny synthetic Qwen2 model (f32) and 4 random documents of 48 tokens.
+    fn tiny_model_and_docs(seed: u64) -> (Arc<dyn WeightSource>, Vec<Vec<u32>>) {
+        let spec = SyntheticSource::tiny_spec(Architecture::Qwen2);
+        let src: Arc<dyn WeightSource> =
+            Arc::new(SyntheticSource::new(spec, 5, GgmlDType::F32).unwrap());
+        let mut rng = StdRng::seed_from_u64(seed);
+        let docs = (0..4)
+            .map(|_| (0..48).map(|_| rng.random_range(0..256u32)).collect())
+            .collect();
+        (src, docs)
+    }
+
     /// A whole (synthetic) model: every matrix of every layer is replaced, each GPTQ error is
     /// below round-to-nearest's on the calibration inputs, the model loads the blocks as they
     /// are, and the cache gives back the same bytes.
     #[test]
     fn calibrates_a_model_and_round_trips_through_the_cache() {
-        let spec = SyntheticSource::tiny_spec(Architecture::Qwen2);
-        let src: Arc<dyn WeightSource> =
-            Arc::new(SyntheticSource::new(spec, 5, GgmlDType::F32).unwrap());
-        let mut rng = StdRng::seed_from_u64(1);
-        let docs: Vec<Vec<u32>> = (0..4)
-            .map(|_| (0..48).map(|_| rng.random_range(0..256u32)).collect())
-            .collect();
+        let (src, docs) = tiny_model_and_docs(1);
         let settings = GptqSettings {
             docs: 4,
             doc_tokens: 48,
@@ -1361,13 +1367,7 @@ mod tests {
 
     #[test]
     fn gptq_on_awq_scales_serves_the_scaled_norms_and_round_trips() {
-        let spec = SyntheticSource::tiny_spec(Architecture::Qwen2);
-        let src: Arc<dyn WeightSource> =
-            Arc::new(SyntheticSource::new(spec, 5, GgmlDType::F32).unwrap());
-        let mut rng = StdRng::seed_from_u64(2);
-        let docs: Vec<Vec<u32>> = (0..4)
-            .map(|_| (0..48).map(|_| rng.random_range(0..256u32)).collect())
-            .collect();
+        let (src, docs) = tiny_model_and_docs(2);
         let settings = GptqSettings {
             docs: 4,
             doc_tokens: 48,

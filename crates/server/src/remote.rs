@@ -249,22 +249,24 @@ impl RemoteModel {
             })
         })?;
         let (resp, load) = match self.attempt(first, path, &body).await {
-            Ok(ok) => ok,
-            Err(Attempt::Final(e)) => return Err(e),
-            Err(Attempt::Retryable(why)) => match self.pick(Some(first)) {
-                None => return Err(self.unavailable(why)),
-                Some(second) => {
-                    tracing::warn!(backend = %self.name, failed = %why, retry = %self.replicas[second].url, "retrying on another replica");
-                    match self.attempt(second, path, &body).await {
-                        Ok(ok) => ok,
-                        Err(Attempt::Final(e)) => return Err(e),
-                        Err(Attempt::Retryable(again)) => {
-                            return Err(self.unavailable(format!("{why}; then {again}")))
-                        }
+            Err(Attempt::Retryable(why)) => {
+                let second = self
+                    .pick(Some(first))
+                    .ok_or_else(|| self.unavailable(why.as_str()))?;
+                tracing::warn!(backend = %self.name, failed = %why, retry = %self.replicas[second].url, "retrying on another replica");
+                match self.attempt(second, path, &body).await {
+                    Err(Attempt::Retryable(again)) => {
+                        return Err(self.unavailable(format!("{why}; then {again}")))
                     }
+                    other => other,
                 }
-            },
-        };
+            }
+            other => other,
+        }
+        .map_err(|a| match a {
+            Attempt::Final(e) => e,
+            Attempt::Retryable(why) => self.unavailable(why),
+        })?;
         let status =
             StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
         let content_type = resp

@@ -329,13 +329,12 @@ async fn an_unreachable_backend_is_a_502() {
 async fn every_response_carries_a_request_id_and_cors_is_off_unless_configured() {
     let s = start("").await;
     let c = common::client();
-    let id_of = |r: &reqwest::Response| {
-        r.headers()
-            .get("x-request-id")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_string()
+    // A header's value, if the response has it.
+    let header = |h: &reqwest::header::HeaderMap, name: &str| {
+        h.get(name)
+            .map(|v| v.to_str().unwrap_or_default().to_string())
     };
+    let id_of = |r: &reqwest::Response| header(r.headers(), "x-request-id").unwrap_or_default();
     // A new UUID per request when the client sends none, on answers and errors alike.
     let a = c
         .get(format!("{}/health", s.base))
@@ -344,11 +343,7 @@ async fn every_response_carries_a_request_id_and_cors_is_off_unless_configured()
         .expect("sent");
     let (st, headers, _) = post(&s.base, "/v1/completions", "{", JSON, None).await;
     assert_eq!(st, 400);
-    let b = headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_string();
+    let b = header(&headers, "x-request-id").unwrap_or_default();
     let uuid = |id: &str| {
         let parts: Vec<usize> = id.split('-').map(str::len).collect();
         parts == [8, 4, 4, 4, 12] && id.chars().all(|ch| ch == '-' || ch.is_ascii_hexdigit())
@@ -386,19 +381,20 @@ async fn every_response_carries_a_request_id_and_cors_is_off_unless_configured()
             .expect("sent")
         }
     };
-    let allow = |r: &reqwest::Response| {
-        r.headers()
-            .get("access-control-allow-origin")
-            .map(|v| v.to_str().unwrap_or_default().to_string())
+    let allow = |r: &reqwest::Response| header(r.headers(), "access-control-allow-origin");
+    let models_from = |base: String| {
+        let c = c.clone();
+        async move {
+            c.get(format!("{base}/v1/models"))
+                .header("origin", "https://app.example")
+                .send()
+                .await
+                .expect("sent")
+        }
     };
     let r = preflight(s.base.clone(), "https://app.example").await;
     assert_eq!(allow(&r), None);
-    let r = c
-        .get(format!("{}/v1/models", s.base))
-        .header("origin", "https://app.example")
-        .send()
-        .await
-        .expect("sent");
+    let r = models_from(s.base.clone()).await;
     assert_eq!(r.status(), 200);
     assert_eq!(allow(&r), None);
 
@@ -407,20 +403,10 @@ async fn every_response_carries_a_request_id_and_cors_is_off_unless_configured()
     let r = preflight(s.base.clone(), "https://app.example").await;
     assert_eq!(r.status(), 200);
     assert_eq!(allow(&r).as_deref(), Some("https://app.example"));
-    let methods = r
-        .headers()
-        .get("access-control-allow-methods")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_string();
+    let methods = header(r.headers(), "access-control-allow-methods").unwrap_or_default();
     assert!(methods.contains("POST"), "{methods}");
     let r = preflight(s.base.clone(), "https://evil.example").await;
     assert_eq!(allow(&r), None);
-    let r = c
-        .get(format!("{}/v1/models", s.base))
-        .header("origin", "https://app.example")
-        .send()
-        .await
-        .expect("sent");
+    let r = models_from(s.base.clone()).await;
     assert_eq!(allow(&r).as_deref(), Some("https://app.example"));
 }
