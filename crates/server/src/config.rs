@@ -24,6 +24,12 @@ pub const DEFAULT_BODY_TIMEOUT_S: u64 = 30;
 /// A streamed response whose client has not taken an event for this long is aborted (nginx's
 /// `send_timeout` is 60 s; a streaming client reads as events come).
 pub const DEFAULT_WRITE_TIMEOUT_S: u64 = 30;
+/// A connection must send a request's whole head within this, which also ends idle keep-alive
+/// connections (hyper's default header timeout; nginx's `client_header_timeout` is 60 s).
+pub const DEFAULT_HEADER_TIMEOUT_S: u64 = 30;
+/// Open connections at most; more are answered 503 and closed. Under the usual 1,024 file
+/// descriptors a process may hold, with room for model files and backend connections.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 900;
 /// How long a ModeSwitch request waits for its mode to load before it is served in f16 while
 /// the load goes on (a q4 load takes seconds; an AWQ or GPTQ calibration, minutes).
 pub const DEFAULT_LOAD_WAIT_S: u64 = 30;
@@ -121,6 +127,11 @@ pub struct ServerSection {
     /// Seconds a streamed response waits for a client that does not read before it aborts
     /// the request (freeing its K/V blocks and its place).
     pub write_timeout_s: u64,
+    /// Seconds a connection has to send a request's head (and an idle keep-alive connection
+    /// is kept); the connection is closed after.
+    pub header_timeout_s: u64,
+    /// Open connections at most: one more is answered 503 with `Retry-After` and closed.
+    pub max_connections: usize,
     pub shutdown_grace_s: u64,
     /// Origins a browser may call the API from (CORS), e.g. `["https://app.example"]`, or
     /// `["*"]` for any. Empty (the default): no CORS headers, so browsers refuse
@@ -140,6 +151,8 @@ impl Default for ServerSection {
             request_timeout_s: DEFAULT_REQUEST_TIMEOUT_S,
             body_timeout_s: DEFAULT_BODY_TIMEOUT_S,
             write_timeout_s: DEFAULT_WRITE_TIMEOUT_S,
+            header_timeout_s: DEFAULT_HEADER_TIMEOUT_S,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
             shutdown_grace_s: DEFAULT_SHUTDOWN_GRACE_S,
             cors_allowed_origins: Vec::new(),
         }
@@ -410,14 +423,20 @@ impl Config {
                 )));
             }
         }
-        if self.server.max_in_flight == 0 || self.server.max_body_bytes == 0 {
+        if self.server.max_in_flight == 0
+            || self.server.max_body_bytes == 0
+            || self.server.max_connections == 0
+        {
             return Err(ConfigError::Invalid(
-                "server.max_in_flight and server.max_body_bytes must be positive".into(),
+                "server.max_in_flight, server.max_body_bytes and server.max_connections must be \
+                 positive"
+                    .into(),
             ));
         }
         seconds("server.request_timeout_s", self.server.request_timeout_s)?;
         seconds("server.body_timeout_s", self.server.body_timeout_s)?;
         seconds("server.write_timeout_s", self.server.write_timeout_s)?;
+        seconds("server.header_timeout_s", self.server.header_timeout_s)?;
         for b in &self.backends {
             for (key, value) in [
                 ("timeout_s", b.timeout_s),

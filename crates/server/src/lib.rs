@@ -11,6 +11,7 @@ pub mod auth;
 pub mod config;
 pub mod error;
 pub mod helios;
+pub mod listen;
 pub mod local;
 pub mod metrics;
 pub mod modeswitch;
@@ -214,11 +215,16 @@ pub async fn serve(
         st.shutting_down.store(true, Ordering::SeqCst);
         let _ = signalled_tx.send(());
     };
-    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown);
-    let server = async move { server.await.map_err(ServerError::Io) };
+    let server = listen::serve_connections(
+        listener,
+        app,
+        listen::ConnectionLimits::of(&cfg.server),
+        Some(state.metrics.clone()),
+        shutdown,
+    );
     tokio::pin!(server);
     tokio::select! {
-        r = &mut server => r?,
+        () = &mut server => {},
         _ = async {
             let _ = signalled_rx.await;
             tokio::time::sleep(grace).await;

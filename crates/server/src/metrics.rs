@@ -2,8 +2,8 @@
 //! engines' queue, memory and prefix-cache state (refreshed at each scrape).
 
 use prometheus::{
-    CounterVec, Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry,
-    TextEncoder,
+    CounterVec, Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
 };
 use switchyard_engine::EngineStats;
 
@@ -45,6 +45,11 @@ pub struct Metrics {
     pub route_decisions: IntCounterVec,
     /// Time spent deciding (the router alone), summed.
     pub route_seconds: CounterVec,
+    /// Open client connections.
+    pub connections_open: IntGauge,
+    /// Connections the server closed itself, by reason (`limit`: refused at the connection
+    /// limit; `header_timeout`: no whole request head in time).
+    pub connections_closed: IntCounterVec,
 }
 
 fn must<T>(r: prometheus::Result<T>) -> T {
@@ -89,7 +94,18 @@ impl Metrics {
             &["model"],
         ));
         must(registry.register(Box::new(route_seconds.clone())));
+        let connections_open = must(IntGauge::new(
+            "switchyard_connections_open",
+            "Open client connections",
+        ));
+        must(registry.register(Box::new(connections_open.clone())));
         Self {
+            connections_open,
+            connections_closed: icounter(
+                "switchyard_connections_closed_total",
+                "Connections the server closed itself, by reason (limit, header_timeout)",
+                &["reason"],
+            ),
             route_decisions: icounter(
                 "switchyard_route_decisions_total",
                 "ModeSwitch routing decisions by mode, rule and fallback",

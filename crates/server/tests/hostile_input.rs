@@ -18,6 +18,16 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// The model name every test serves.
 const MODEL: &str = "synthetic";
 
+/// Held by the tests that time `/health` or connection closes, so that they do not share the
+/// two cores with each other's floods of connections.
+static TIMED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn timed() -> std::sync::MutexGuard<'static, ()> {
+    TIMED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// A client that sends the headers and part of a body, then nothing, gets 408 once
 /// `body_timeout_s` has passed instead of holding its handler for ever.
 #[test]
@@ -54,6 +64,185 @@ fn a_body_that_never_arrives_times_out() {
             took >= Duration::from_millis(900) && took < Duration::from_secs(2),
             "{took:?}"
         );
+    });
+}
+
+/// Whether the server closed `s`: a read gives end of file (or a reset) within `limit`.
+async fn closed_within(s: &mut tokio::net::TcpStream, limit: Duration) -> bool {
+    let mut buf = [0u8; 1024];
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Err(_) => return false,
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// The value of `name` in the server's `/metrics` text (0 when absent).
+async fn metric(base: &str, name: &str) -> f64 {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Slowloris: connections that send nothing, or a request head a few bytes at a time, are
+/// closed once `header_timeout_s` has passed, counted, and never block `/health`.
+#[test]
+fn idle_and_dripping_connections_are_closed_after_the_header_timeout() {
+    let _timed = timed();
+    const IDLE: usize = 20;
+    const DRIPPING: usize = 20;
+    let server = synthetic::serve(
+        "[server]\nheader_timeout_s = 1",
+        vec![(MODEL, synthetic::engine(MODEL, None))],
+    );
+    let base = server.base.clone();
+    let addr = base.trim_start_matches("http://").to_string();
+    synthetic::client_runtime().block_on(async {
+        let t0 = Instant::now();
+        let mut idle = Vec::new();
+        for _ in 0..IDLE {
+            idle.push(
+                tokio::net::TcpStream::connect(&addr)
+                    .await
+                    .expect("connect"),
+            );
+        }
+        let dripping: Vec<_> = (0..DRIPPING)
+            .map(|_| {
+                let addr = addr.clone();
+                tokio::spawn(async move {
+                    let mut s = tokio::net::TcpStream::connect(&addr)
+                        .await
+                        .expect("connect");
+                    let head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-pad: ";
+                    s.write_all(head).await.expect("send");
+                    // One more header byte every 100 ms, never the end of the head.
+                    let started = Instant::now();
+                    loop {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        if s.write_all(b"a").await.is_err() {
+                            return started.elapsed();
+                        }
+                        if started.elapsed() > Duration::from_secs(10) {
+                            panic!("a dripping connection was kept for 10 s");
+                        }
+                    }
+                })
+            })
+            .collect();
+        // `/health` answers at once during the attack.
+        let health = reqwest::get(format!("{base}/health"))
+            .await
+            .expect("health");
+        assert_eq!(health.status().as_u16(), 200);
+        assert!(
+            t0.elapsed() < Duration::from_millis(900),
+            "{:?}",
+            t0.elapsed()
+        );
+        for s in &mut idle {
+            assert!(
+                closed_within(s, Duration::from_secs(3)).await,
+                "idle connection kept"
+            );
+        }
+        let idle_closed = t0.elapsed();
+        assert!(
+            idle_closed >= Duration::from_millis(900) && idle_closed < Duration::from_secs(3),
+            "{idle_closed:?}"
+        );
+        for d in dripping {
+            let kept = d.await.expect("dripping task");
+            // Closed after about a second; the write that notices comes up to 100 ms (plus a
+            // reset's round trip) later.
+            assert!(kept < Duration::from_millis(2500), "{kept:?}");
+        }
+        let closed = metric(
+            &base,
+            "switchyard_connections_closed_total{reason=\"header_timeout\"}",
+        )
+        .await;
+        assert_eq!(closed, (IDLE + DRIPPING) as f64);
+    });
+}
+
+/// Connections over `max_connections` get 503 with `Retry-After` at once (not a hang), the
+/// connections within it are served, and a place freed is taken again.
+#[test]
+fn connections_over_the_limit_get_503_and_freed_places_serve() {
+    let _timed = timed();
+    const LIMIT: usize = 4;
+    let server = synthetic::serve(
+        &format!("[server]\nmax_connections = {LIMIT}\nheader_timeout_s = 30"),
+        vec![(MODEL, synthetic::engine(MODEL, None))],
+    );
+    let base = server.base.clone();
+    let addr = base.trim_start_matches("http://").to_string();
+    synthetic::client_runtime().block_on(async {
+        let mut held = Vec::new();
+        for _ in 0..LIMIT {
+            held.push(
+                tokio::net::TcpStream::connect(&addr)
+                    .await
+                    .expect("connect"),
+            );
+        }
+        // Accepted connections are counted as the loop takes them.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()
+            .expect("client");
+        let t0 = Instant::now();
+        let refused = client
+            .get(format!("{base}/health"))
+            .send()
+            .await
+            .expect("an answer, not a hang");
+        assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+        assert_eq!(refused.status().as_u16(), 503);
+        assert_eq!(
+            refused
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok()),
+            Some("1")
+        );
+        let body: serde_json::Value = refused.json().await.expect("JSON error");
+        assert_eq!(
+            body["error"]["message"],
+            "the server has its maximum number of open connections; retry after 1 s"
+        );
+        // One place freed: the next connection is served.
+        drop(held.pop());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let ok = client
+            .get(format!("{base}/v1/models"))
+            .send()
+            .await
+            .expect("served");
+        assert_eq!(ok.status().as_u16(), 200);
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(
+            metric(
+                &base,
+                "switchyard_connections_closed_total{reason=\"limit\"}"
+            )
+            .await,
+            1.0
+        );
+        // The scrape's own connection is the only one open.
+        assert_eq!(metric(&base, "switchyard_connections_open").await, 1.0);
     });
 }
 
@@ -333,6 +522,7 @@ const BIG_PROMPT_SLOTS: usize = 8;
 /// once admitted, on the blocking pool, and the rest are refused with 429 at once.
 #[test]
 fn three_hundred_prompts_of_one_mib_do_not_delay_health() {
+    let _timed = timed();
     let server = synthetic::serve(
         &format!(
             "[server]\nmax_in_flight = {BIG_PROMPT_SLOTS}\nmax_body_bytes = {}",

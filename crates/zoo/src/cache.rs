@@ -173,6 +173,44 @@ impl Cache {
         }
     }
 
+    /// Makes `asset` present, then checks the file's SHA-256 against the catalog before it is
+    /// used: a model file changed or damaged after its pull (same size, so still "present")
+    /// would otherwise load and answer wrongly. On a mismatch the file's record is removed, so
+    /// that the next pull hashes it again and replaces it, and [`ZooError::Corrupt`] says so.
+    ///
+    /// One process hashes a file once while its length and modification time stay the same
+    /// (several engines of one server often load the same model).
+    pub fn pull_verified(&self, asset: &Asset, opts: &PullOptions) -> Result<PathBuf> {
+        let path = self.pull(asset, opts)?;
+        let stamp = FileStamp::of(&path)?;
+        if verified_stamps()
+            .lock()
+            .is_ok_and(|v| v.get(&path) == Some(&stamp))
+        {
+            return Ok(path);
+        }
+        let bar = progress::bar(asset.name, asset.size, opts.quiet);
+        bar.set_message("verifying");
+        let hashed = hash_file(&path, &bar);
+        bar.finish_and_clear();
+        let (size, sha256) = hashed?;
+        if size != asset.size || sha256 != asset.sha256 {
+            let _lock = lock(&path, &ProgressBar::hidden())?;
+            remove_if_exists(&sidecar_path(&path))?;
+            tracing::error!(path = %path.display(), expected = asset.sha256, actual = %sha256, "model file does not match the catalog");
+            return Err(ZooError::Corrupt {
+                asset: asset.name.to_string(),
+                path,
+                expected: asset.sha256.to_string(),
+                actual: sha256,
+            });
+        }
+        if let Ok(mut v) = verified_stamps().lock() {
+            v.insert(path.clone(), stamp);
+        }
+        Ok(path)
+    }
+
     /// Assembles `asset` from its parts into `<path>.partial`, verifies it and moves it to
     /// `path`. Holds the asset's lock.
     fn download(&self, asset: &Asset, path: &Path, bar: &ProgressBar) -> Result<()> {
@@ -213,6 +251,31 @@ impl Cache {
         tracing::info!(path = %path.display(), size, "pulled");
         Ok(())
     }
+}
+
+/// What must stay the same for a hashed file to count as verified within this process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FileStamp {
+    len: u64,
+    modified: Option<std::time::SystemTime>,
+}
+
+impl FileStamp {
+    fn of(path: &Path) -> Result<FileStamp> {
+        let meta = fs::metadata(path).map_err(ZooError::io(path))?;
+        Ok(FileStamp {
+            len: meta.len(),
+            modified: meta.modified().ok(),
+        })
+    }
+}
+
+/// Files this process has hashed and found matching, with their stamp at that time.
+fn verified_stamps() -> &'static std::sync::Mutex<std::collections::HashMap<PathBuf, FileStamp>> {
+    static STAMPS: std::sync::OnceLock<
+        std::sync::Mutex<std::collections::HashMap<PathBuf, FileStamp>>,
+    > = std::sync::OnceLock::new();
+    STAMPS.get_or_init(Default::default)
 }
 
 fn verify(asset: &Asset, size: u64, sha256: &str) -> Result<()> {

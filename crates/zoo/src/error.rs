@@ -63,6 +63,18 @@ pub enum ZooError {
         expected: String,
         actual: String,
     },
+    #[error(
+        "{path} does not match the catalog's SHA-256 for {asset} (expected {expected}, found \
+         {actual}): it was changed or damaged after it was pulled, and is not loaded. Its record \
+         was removed, so `switchyard models pull {asset}` replaces it",
+        path = path.display()
+    )]
+    Corrupt {
+        asset: String,
+        path: PathBuf,
+        expected: String,
+        actual: String,
+    },
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

@@ -73,7 +73,8 @@ pub fn ensure(name: &str) -> Result<PathBuf> {
 }
 
 /// A model argument as users give it: an existing path (GGUF file or model folder) is returned
-/// as is; otherwise a catalog model name is pulled (with a progress bar) if missing.
+/// as is; otherwise a catalog model name is pulled (with a progress bar) if missing, and its
+/// file's SHA-256 checked against the catalog before it is used ([`Cache::pull_verified`]).
 pub fn resolve_model(name_or_path: &str) -> Result<PathBuf> {
     resolve_model_in(&default_cache(), name_or_path)
 }
@@ -85,7 +86,7 @@ fn resolve_model_in(cache: &Cache, name_or_path: &str) -> Result<PathBuf> {
     }
     match find(name_or_path) {
         Some(asset) if asset.kind == AssetKind::Model => {
-            cache.pull(asset, &PullOptions { quiet: false })
+            cache.pull_verified(asset, &PullOptions { quiet: false })
         }
         _ => Err(ZooError::UnknownModel {
             name_or_path: name_or_path.to_string(),

@@ -68,9 +68,13 @@ pub async fn start(toml: &str) -> TestServer {
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let app = switchyard_server::router(state.clone());
-    let task = tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    let task = tokio::spawn(switchyard_server::listen::serve_connections(
+        listener,
+        app,
+        switchyard_server::listen::ConnectionLimits::of(&state.config),
+        Some(state.metrics.clone()),
+        std::future::pending(),
+    ));
     TestServer {
         base: format!("http://{addr}"),
         state,

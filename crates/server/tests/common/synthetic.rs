@@ -152,9 +152,13 @@ fn serve_on(state: AppState, send_buffer: Option<u32>) -> SyntheticServer {
         .expect("listen");
     let addr = listener.local_addr().expect("addr");
     let app = switchyard_server::router(state.clone());
-    runtime.spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
+    runtime.spawn(switchyard_server::listen::serve_connections(
+        listener,
+        app,
+        switchyard_server::listen::ConnectionLimits::of(&state.config),
+        Some(state.metrics.clone()),
+        std::future::pending(),
+    ));
     SyntheticServer {
         base: format!("http://{addr}"),
         state,
