@@ -179,17 +179,7 @@ async fn a_client_that_disconnects_frees_its_blocks() {
     let mut body = resp.bytes_stream();
     let first = body.next().await.expect("a first chunk").expect("bytes");
     assert!(String::from_utf8_lossy(&first).contains("data: "));
-    let stats = |base: String| async move {
-        common::client()
-            .get(format!("{base}/admin/stats"))
-            .send()
-            .await
-            .expect("stats")
-            .json::<Value>()
-            .await
-            .expect("json")[MODEL]
-            .clone()
-    };
+    let stats = |base: String| async move { common::admin_stats(&base).await[MODEL].clone() };
     let during = stats(s.base.clone()).await;
     assert_eq!(during["running"], 1);
     drop(body);
@@ -322,17 +312,7 @@ async fn a_thousand_disconnecting_streams_leave_nothing_behind() {
         }
     }
     let left = CLIENTS - done;
-    let stats = || async {
-        common::client()
-            .get(format!("{}/admin/stats", s.base))
-            .send()
-            .await
-            .expect("stats")
-            .json::<Value>()
-            .await
-            .expect("json")[MODEL]
-            .clone()
-    };
+    let stats = || async { common::admin_stats(&s.base).await[MODEL].clone() };
     let mut st = stats().await;
     for _ in 0..100 {
         let settled = st["running"] == 0

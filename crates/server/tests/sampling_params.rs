@@ -229,16 +229,7 @@ async fn n_choices_are_reproducible_and_share_the_prompt() {
             .as_u64()
             .expect("counter")
     };
-    let stats = || async {
-        common::client()
-            .get(format!("{}/admin/stats", s.base))
-            .send()
-            .await
-            .expect("stats")
-            .json::<Value>()
-            .await
-            .expect("json")
-    };
+    let stats = || common::admin_stats(&s.base);
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 1.0,
                       "seed": 11, "n": 4});
     let before = computed(&stats().await);

@@ -92,6 +92,18 @@ pub async fn start_error(toml: &str) -> String {
         .unwrap_or_default()
 }
 
+/// `GET /admin/stats` (the server must have `admin = true`), every model's entry.
+pub async fn admin_stats(base: &str) -> serde_json::Value {
+    client()
+        .get(format!("{base}/admin/stats"))
+        .send()
+        .await
+        .expect("stats")
+        .json()
+        .await
+        .expect("stats JSON")
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::new()
 }
