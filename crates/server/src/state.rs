@@ -29,9 +29,9 @@ pub struct AppState {
     pub metrics: Metrics,
     /// Set by SIGINT/SIGTERM: new requests get 503 while running ones finish.
     pub shutting_down: AtomicBool,
-    /// Places on the blocking pool for tokenizing admitted requests: one a core, so that a
-    /// burst of long prompts queues here (bounded by admission) instead of starting a thread
-    /// each.
+    /// Places on the blocking pool for parsing large bodies and tokenizing admitted requests:
+    /// one a core, so that a burst of long prompts queues here instead of starting a thread
+    /// each or holding the runtime's workers.
     pub tokenizing: Arc<Semaphore>,
 }
 
