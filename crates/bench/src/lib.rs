@@ -10,6 +10,7 @@ pub mod offline;
 pub mod quality;
 pub mod serve;
 pub mod sharegpt;
+pub mod soak;
 pub mod stats;
 pub mod step;
 

@@ -28,6 +28,11 @@ pub enum BenchCommand {
     /// Any OpenAI-compatible server under vLLM's serving benchmark: TTFT, TPOT, ITL, E2E,
     /// throughput and goodput at a request rate.
     Serve(crate::bench_serve::ServeArgs),
+    /// A running server held under ShareGPT traffic for a bounded time, with an optional
+    /// overload burst: requests sent, completed and failed by reason, resident memory over
+    /// time and its growth, K/V blocks after the drain, P50/P99 latency per window, 429s with
+    /// Retry-After and the time back to normal latency after the burst.
+    Soak(crate::bench_soak::SoakArgs),
     /// One ShareGPT trace served by the best single model at full depth, by the EE-LLM
     /// baseline (per-token exit, batch 1) and by the HELIOS orchestrator: throughput, latency
     /// percentiles, exit shares, batch, memory, bits per byte, decisions.
@@ -68,6 +73,7 @@ pub fn run(cmd: BenchCommand, threads: usize) -> anyhow::Result<()> {
         BenchCommand::Exits(a) => crate::exits::run_bench_exits(a, threads),
         BenchCommand::Offline(a) => crate::offline::run(a, threads),
         BenchCommand::Serve(a) => crate::bench_serve::run(a),
+        BenchCommand::Soak(a) => crate::bench_soak::run(a),
         BenchCommand::Helios(a) => crate::bench_helios::run(a, threads),
         BenchCommand::Modes(a) => crate::bench_modes::run(a, threads),
         BenchCommand::Router(a) => crate::bench_modes::run_router(a, threads),

@@ -20,6 +20,7 @@ use switchyard_bench::sharegpt::{sample_requests, SampleOptions, DEFAULT_SEED};
 use switchyard_tokenizer::Tokenizer;
 
 use crate::load::resolve_text;
+use crate::output::write_report;
 
 /// vLLM's `--num-prompts` default.
 const DEFAULT_NUM_PROMPTS: usize = 1000;
@@ -172,19 +173,17 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         bar.set_message(format!("{} failed", p.failed));
     })?;
     bar.finish_and_clear();
-    let md = report.markdown();
-    print!("{md}");
-    if let Some(path) = &a.markdown {
-        std::fs::write(path, &md).with_context(|| format!("writing {}", path.display()))?;
-    }
-    if let Some(path) = &a.json {
-        let text = serde_json::to_string_pretty(&report)?;
-        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
-    }
-    Ok(())
+    write_report(
+        &report.markdown(),
+        &report,
+        a.markdown.as_ref(),
+        a.json.as_ref(),
+    )
 }
 
-fn load_tokenizer(name: &str, explicit: bool) -> anyhow::Result<Tokenizer> {
+/// The tokenizer of `name` (a zoo model or a model file), which counts the prompts' tokens;
+/// `explicit` when the user named it with `--tokenizer`.
+pub(crate) fn load_tokenizer(name: &str, explicit: bool) -> anyhow::Result<Tokenizer> {
     let path = switchyard_zoo::resolve_model(name).map_err(|e| {
         if explicit {
             anyhow::Error::new(e)
@@ -203,29 +202,7 @@ fn load_tokenizer(name: &str, explicit: bool) -> anyhow::Result<Tokenizer> {
 
 fn prompts(a: &ServeArgs, tokenizer: &Tokenizer) -> anyhow::Result<Vec<BenchRequest>> {
     match a.dataset {
-        Dataset::Sharegpt => {
-            let data = resolve_text(&a.dataset_path)?;
-            let sample = sample_requests(
-                &data,
-                tokenizer,
-                &SampleOptions {
-                    num_prompts: a.num_prompts,
-                    seed: a.seed,
-                },
-            )?;
-            if sample.requests.len() < a.num_prompts {
-                eprintln!(
-                    "only {} of {} records pass the filters",
-                    sample.requests.len(),
-                    sample.records
-                );
-            }
-            anyhow::ensure!(
-                !sample.requests.is_empty(),
-                "no ShareGPT prompt passed the filters"
-            );
-            Ok(sample.requests.iter().map(BenchRequest::from).collect())
-        }
+        Dataset::Sharegpt => sharegpt_prompts(&a.dataset_path, tokenizer, a.num_prompts, a.seed),
         Dataset::Synthetic => Ok(synthetic_requests(
             tokenizer,
             &SyntheticOptions {
@@ -236,4 +213,30 @@ fn prompts(a: &ServeArgs, tokenizer: &Tokenizer) -> anyhow::Result<Vec<BenchRequ
             },
         )?),
     }
+}
+
+/// `num_prompts` first exchanges of the ShareGPT file at `path` (a path or URL), sampled with
+/// vLLM's filters; fewer when fewer pass them, an error when none does.
+pub(crate) fn sharegpt_prompts(
+    path: &str,
+    tokenizer: &Tokenizer,
+    num_prompts: usize,
+    seed: u64,
+) -> anyhow::Result<Vec<BenchRequest>> {
+    let data = resolve_text(path)?;
+    let sample = sample_requests(&data, tokenizer, &SampleOptions { num_prompts, seed })
+        .with_context(|| format!("sampling prompts from {}", data.display()))?;
+    anyhow::ensure!(
+        !sample.requests.is_empty(),
+        "no ShareGPT prompt in {} passed the filters",
+        data.display()
+    );
+    if sample.requests.len() < num_prompts {
+        eprintln!(
+            "only {} of {} records pass the filters",
+            sample.requests.len(),
+            sample.records
+        );
+    }
+    Ok(sample.requests.iter().map(BenchRequest::from).collect())
 }

@@ -7,6 +7,7 @@ mod bench;
 mod bench_helios;
 mod bench_modes;
 mod bench_serve;
+mod bench_soak;
 mod ee_tune;
 mod eval;
 mod exits;

@@ -4,7 +4,9 @@
 //! are retried on another replica), is marked down and skipped, and is used again once a
 //! process serves on its address again. And API keys never reach the log, even at trace level.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod common;
+
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::thread::JoinHandle;
@@ -52,16 +54,7 @@ fn serve_with(args: &[&str], env: &[(&str, &str)]) -> Server {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn switchyard serve");
-    let stderr = child.stderr.take().expect("stderr");
-    let mut lines = BufReader::new(stderr).lines();
-    let deadline = Instant::now() + Duration::from_secs(180);
-    let addr = loop {
-        assert!(Instant::now() < deadline, "server did not start");
-        let line = lines.next().expect("server output").expect("line");
-        if let Some(rest) = line.split("listening on http://").nth(1) {
-            break rest.trim().to_string();
-        }
-    };
+    let (addr, lines) = common::listening_addr(&mut child);
     let log = std::thread::spawn(move || lines.map_while(Result::ok).collect());
     Server {
         child,

@@ -1,10 +1,12 @@
 //! `switchyard serve` as a process: SIGTERM while requests stream lets them finish, refuses
 //! new work, and exits 0.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod common;
+
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A streamed completion over a raw HTTP/1.1 connection; returns the whole response text.
 fn stream_completion(addr: &str, max_tokens: usize) -> String {
@@ -30,16 +32,7 @@ fn sigterm_drains_running_streams_and_exits_zero() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn switchyard serve");
-    let stderr = child.stderr.take().expect("stderr");
-    let mut lines = BufReader::new(stderr).lines();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let addr = loop {
-        assert!(Instant::now() < deadline, "server did not start");
-        let line = lines.next().expect("server output").expect("line");
-        if let Some(rest) = line.split("listening on http://").nth(1) {
-            break rest.trim().to_string();
-        }
-    };
+    let (addr, lines) = common::listening_addr(&mut child);
     let streams: Vec<_> = (0..2)
         .map(|_| {
             let a = addr.clone();

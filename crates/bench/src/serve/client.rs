@@ -200,24 +200,9 @@ impl Client {
         })
     }
 
-    /// vLLM's request: greedy, streamed, usage asked for; `ignore_eos` only when set.
+    /// vLLM's request ([`streamed_request`]); `ignore_eos` only when set.
     fn body(&self, prompt: &str, max_tokens: usize) -> serde_json::Value {
-        let mut body = serde_json::json!({
-            "model": self.model,
-            "temperature": 0.0,
-            "max_tokens": max_tokens,
-            "stream": true,
-            "stream_options": {"include_usage": true},
-        });
-        match self.endpoint {
-            Endpoint::Completions => body["prompt"] = prompt.into(),
-            Endpoint::Chat => {
-                body["messages"] = serde_json::json!([{"role": "user", "content": prompt}]);
-                // vLLM's chat client sends this newer name; servers that only know
-                // `max_tokens` read that one.
-                body["max_completion_tokens"] = max_tokens.into();
-            }
-        }
+        let mut body = streamed_request(&self.model, self.endpoint, prompt, max_tokens);
         if self.ignore_eos {
             body["ignore_eos"] = true.into();
         }
@@ -367,6 +352,33 @@ fn finished(m: &Measured) -> std::result::Result<(), RequestFailure> {
     } else {
         Ok(())
     }
+}
+
+/// The request vLLM's benchmark client sends: greedy, streamed, usage asked for, the prompt as
+/// the endpoint wants it.
+pub(crate) fn streamed_request(
+    model: &str,
+    endpoint: Endpoint,
+    prompt: &str,
+    max_tokens: usize,
+) -> serde_json::Value {
+    let mut body = serde_json::json!({
+        "model": model,
+        "temperature": 0.0,
+        "max_tokens": max_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    match endpoint {
+        Endpoint::Completions => body["prompt"] = prompt.into(),
+        Endpoint::Chat => {
+            body["messages"] = serde_json::json!([{"role": "user", "content": prompt}]);
+            // vLLM's chat client sends this newer name; servers that only know `max_tokens`
+            // read that one.
+            body["max_completion_tokens"] = max_tokens.into();
+        }
+    }
+    body
 }
 
 #[cfg(test)]
