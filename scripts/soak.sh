@@ -8,8 +8,8 @@
 #   DURATION_S=120 MAX_TOKENS=64 scripts/soak.sh     (two minutes)
 #
 # The saturation rate is measured first, on its own server: `bench serve --request-rate inf`
-# sends SAT_PROMPTS ShareGPT prompts at once, at most MAX_IN_FLIGHT in flight (the server's
-# admission limit, so none is refused), and the rate is the requests answered per second:
+# sends SAT_PROMPTS ShareGPT prompts at once, at most 90% of MAX_IN_FLIGHT in flight (under the
+# server's admission limit, so none is refused), and the rate is the requests answered per second:
 # completed ones plus those the model ended at once (EOS first), which `bench serve` counts as
 # failed for want of text but the server answered all the same (and `bench soak` counts as
 # completed). Any other failure stops the script. That server is then stopped and a fresh one
@@ -92,10 +92,13 @@ if [ -n "$MAX_TOKENS" ]; then
   SOAK_CAP=(--max-tokens "$MAX_TOKENS")
 fi
 
-echo "measuring the saturation rate ($SAT_PROMPTS prompts at once, at most $MAX_IN_FLIGHT in flight)" >&2
+# A little under the admission limit: the server counts a request until its stream is dropped,
+# a moment after the client has read [DONE], so a client at exactly the limit gets a few 429s.
+SAT_CONCURRENCY=$((MAX_IN_FLIGHT * 9 / 10 > 0 ? MAX_IN_FLIGHT * 9 / 10 : 1))
+echo "measuring the saturation rate ($SAT_PROMPTS prompts at once, at most $SAT_CONCURRENCY in flight)" >&2
 start_server "$OUT/serve-saturation.log"
 $SY bench serve --url "$URL" --model "$MODEL" --request-rate inf \
-  --num-prompts "$SAT_PROMPTS" --max-concurrency "$MAX_IN_FLIGHT" "${EXTRA[@]}" \
+  --num-prompts "$SAT_PROMPTS" --max-concurrency "$SAT_CONCURRENCY" "${EXTRA[@]}" \
   --json "$OUT/saturation.json" --markdown "$OUT/saturation.md" >/dev/null
 stop_server
 SATURATION=$(python3 - "$OUT/saturation.json" <<'EOF'

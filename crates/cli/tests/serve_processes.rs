@@ -1,8 +1,9 @@
 //! `switchyard serve` as processes. A remote backend of three replicas, each its own process,
 //! behind a fourth one: requests spread over the replicas by load; one replica killed (SIGKILL)
 //! while requests run on it loses none of the requests that had not started streaming (they
-//! are retried on another replica), is marked down and skipped, and is used again once a
-//! process serves on its address again. And API keys never reach the log, even at trace level.
+//! are retried on another replica), ends the one streaming from it with an error event naming
+//! the backend and the replica, is marked down and skipped, and is used again once a process
+//! serves on its address again. And API keys never reach the log, even at trace level.
 
 mod common;
 
@@ -13,6 +14,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 const MODEL: &str = "smollm2-135m-instruct";
+/// Tokens of each stream that runs while a replica is killed: enough to outlast the kill.
+const STREAM_TOKENS: usize = 256;
 
 /// A `switchyard serve` process and its address; killed when dropped.
 struct Server {
@@ -133,6 +136,50 @@ fn completion(addr: &str, max_tokens: usize) -> (u16, String) {
     http(addr, "POST", "/v1/completions", &body)
 }
 
+/// A streamed completion through the front server, on its own thread: says on `started` once
+/// the first event came back, and returns the stream's `data:` payloads.
+fn stream(
+    front: &str,
+    max_tokens: usize,
+    started: std::sync::mpsc::Sender<()>,
+) -> JoinHandle<Vec<String>> {
+    let addr = front.to_string();
+    std::thread::spawn(move || {
+        let body = format!(
+            r#"{{"model":"pool","prompt":"Count slowly:","max_tokens":{max_tokens},"ignore_eos":true,"stream":true,"stream_options":{{"include_usage":true}}}}"#
+        );
+        let Ok(mut s) = TcpStream::connect(&addr) else {
+            return Vec::new();
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(300)));
+        let sent = write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        if sent.is_err() {
+            return Vec::new();
+        }
+        let mut raw = Vec::new();
+        let mut buf = [0u8; 4096];
+        let mut told = false;
+        while let Ok(n @ 1..) = s.read(&mut buf) {
+            raw.extend_from_slice(&buf[..n]);
+            if !told && raw.windows(5).any(|w| w == b"data:") {
+                let _ = started.send(());
+                told = true;
+            }
+        }
+        let text = String::from_utf8_lossy(&raw);
+        let (_, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        dechunk(body)
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(str::to_string)
+            .collect()
+    })
+}
+
 /// `n` completions sent together through the front server.
 fn burst(front: &str, n: usize, max_tokens: usize) -> Vec<JoinHandle<(u16, String)>> {
     (0..n)
@@ -215,7 +262,19 @@ fn replicas_share_the_load_and_a_killed_one_loses_no_request() {
     assert_eq!(counts.iter().sum::<f64>(), 12.0, "{counts:?}");
     assert!(counts.iter().all(|&c| c >= 2.0), "load spread {counts:?}");
 
-    // Kill the second replica while requests run on every replica: none is lost.
+    // Kill the second replica while requests run on every replica: none is lost that had not
+    // started streaming. One stream on each replica first, one after the other so that each
+    // goes to the least loaded (an idle) replica.
+    let (started, first_events) = std::sync::mpsc::channel();
+    let streams: Vec<_> = (0..3)
+        .map(|_| {
+            let h = stream(&f, STREAM_TOKENS, started.clone());
+            first_events
+                .recv_timeout(Duration::from_secs(120))
+                .expect("the stream's first event");
+            h
+        })
+        .collect();
     let running = burst(&f, 12, 48);
     wait_for("the second replica is busy", || {
         let (_, text) = http(&addrs[1], "GET", "/metrics", "");
@@ -231,6 +290,48 @@ fn replicas_share_the_load_and_a_killed_one_loses_no_request() {
         let v: serde_json::Value = serde_json::from_str(&body).expect("json");
         assert_eq!(v["usage"]["completion_tokens"], 48, "{v}");
     }
+    // The stream from the killed replica ends with an error event naming the backend and the
+    // replica, then [DONE]; the other two run to their end.
+    let ended: Vec<Vec<String>> = streams
+        .into_iter()
+        .map(|h| h.join().expect("stream thread"))
+        .collect();
+    let broken = format!(
+        "the backend for `pool` is unavailable: replica http://{} failed mid-answer",
+        addrs[1]
+    );
+    let mut outcomes = Vec::new();
+    for events in &ended {
+        assert_eq!(
+            events.last().map(String::as_str),
+            Some("[DONE]"),
+            "{events:?}"
+        );
+        let chunks: Vec<serde_json::Value> = events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str(e).expect("every relayed event is whole JSON"))
+            .collect();
+        let last = chunks.last().expect("an event before [DONE]");
+        if let Some(message) = last["error"]["message"].as_str() {
+            assert!(message.starts_with(&broken), "{message}");
+            assert_eq!(last["error"]["type"], "service_unavailable");
+            outcomes.push("error");
+        } else {
+            assert_eq!(
+                last["usage"]["completion_tokens"], STREAM_TOKENS,
+                "{events:?}"
+            );
+            assert!(
+                chunks
+                    .iter()
+                    .any(|c| c["choices"][0]["finish_reason"] == "length"),
+                "{events:?}"
+            );
+            outcomes.push("complete");
+        }
+    }
+    outcomes.sort_unstable();
+    assert_eq!(outcomes, ["complete", "complete", "error"]);
     let health = replica_health(&f);
     assert_eq!(
         health

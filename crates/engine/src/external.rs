@@ -6,11 +6,11 @@
 //! dropping layers frees nothing locally, a depth other than the full one is refused, and
 //! exit probes are ignored (its outputs report no probed exit).
 
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 use crate::core::EngineRequest;
-use crate::handle::{Command, EngineHandle, EngineInfo};
+use crate::handle::{Command, EngineHandle, EngineInfo, Liveness, Reachability};
 use crate::output::OutputSink;
 use crate::residency::LoadReport;
 use crate::sequential::{stats_of, Shape};
@@ -30,17 +30,23 @@ pub trait RequestBackend: Send + 'static {
 
     /// Requests in flight.
     fn running(&self) -> usize;
+
+    /// Called once before the first request with the means to mark the handle unreachable
+    /// and reachable again (a backend that serves through a server it can lose).
+    fn watch(&mut self, _reachability: Reachability) {}
 }
 
 impl EngineHandle {
     /// Serves `backend` behind an engine handle; `info.n_layers` is its only depth.
-    pub fn spawn_backend(backend: Box<dyn RequestBackend>, info: EngineInfo) -> Result<Self> {
+    pub fn spawn_backend(mut backend: Box<dyn RequestBackend>, info: EngineInfo) -> Result<Self> {
         let shape = Shape {
             n_layers: info.n_layers,
             memory_budget: 0,
             weights_bytes: 0,
         };
-        Self::run("switchyard-backend", info, move |rx| {
+        let liveness = Arc::new(Liveness::new(&info.model));
+        backend.watch(Reachability(Arc::clone(&liveness)));
+        Self::run_with(liveness, "switchyard-backend", info, move |rx| {
             serve(backend, shape, &rx)
         })
     }

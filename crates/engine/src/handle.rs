@@ -40,20 +40,50 @@ const LOAD_POLL: Duration = Duration::from_millis(2);
 #[repr(u8)]
 pub enum EngineStatus {
     Running = 0,
+    /// A backend whose server cannot be reached (see [`Reachability`]): its requests fail
+    /// until its health check passes again, and then it serves again.
+    Unreachable = 1,
     /// Shut down, or every handle was dropped.
-    Stopped = 1,
+    Stopped = 2,
     /// The thread panicked: its requests ended with [`EngineError::EngineFailed`], and it
     /// takes no more. Nothing restarts it (its state may be corrupt).
-    Failed = 2,
+    Failed = 3,
 }
 
 impl EngineStatus {
     pub fn as_str(self) -> &'static str {
         match self {
             EngineStatus::Running => "running",
+            EngineStatus::Unreachable => "unreachable",
             EngineStatus::Stopped => "stopped",
             EngineStatus::Failed => "failed",
         }
+    }
+}
+
+/// Lets a backend that serves through another server (see
+/// [`crate::external::RequestBackend::watch`]) say whether that server can be reached: its
+/// handle's status is [`EngineStatus::Unreachable`] while it cannot, and back to running once
+/// it can. A stopped or failed engine stays so.
+#[derive(Debug, Clone)]
+pub struct Reachability(pub(crate) Arc<Liveness>);
+
+impl Reachability {
+    /// Marks the server reachable or not; `true` when that changed the status.
+    pub fn set(&self, reachable: bool) -> bool {
+        let (from, to) = if reachable {
+            (EngineStatus::Unreachable, EngineStatus::Running)
+        } else {
+            (EngineStatus::Running, EngineStatus::Unreachable)
+        };
+        self.0
+            .status
+            .compare_exchange(from as u8, to as u8, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+
+    pub fn status(&self) -> EngineStatus {
+        self.0.status()
     }
 }
 
@@ -75,7 +105,8 @@ impl Liveness {
     fn status(&self) -> EngineStatus {
         match self.status.load(Ordering::SeqCst) {
             0 => EngineStatus::Running,
-            1 => EngineStatus::Stopped,
+            1 => EngineStatus::Unreachable,
+            2 => EngineStatus::Stopped,
             _ => EngineStatus::Failed,
         }
     }
@@ -87,12 +118,11 @@ impl Liveness {
 
     /// Marks a thread that returned stopped, unless it had failed.
     fn stop(&self) {
-        let _ = self.status.compare_exchange(
-            EngineStatus::Running as u8,
-            EngineStatus::Stopped as u8,
-            Ordering::SeqCst,
-            Ordering::SeqCst,
-        );
+        let _ = self
+            .status
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |s| {
+                (s < EngineStatus::Stopped as u8).then_some(EngineStatus::Stopped as u8)
+            });
     }
 
     pub(crate) fn failure(&self) -> EngineError {
@@ -270,8 +300,18 @@ impl EngineHandle {
         info: EngineInfo,
         serve: impl FnOnce(mpsc::Receiver<Command>) + Send + 'static,
     ) -> Result<Self> {
-        let (tx, rx) = mpsc::channel();
         let liveness = Arc::new(Liveness::new(&info.model));
+        Self::run_with(liveness, thread, info, serve)
+    }
+
+    /// [`EngineHandle::run`] with the status shared with whoever else reports on it.
+    pub(crate) fn run_with(
+        liveness: Arc<Liveness>,
+        thread: &str,
+        info: EngineInfo,
+        serve: impl FnOnce(mpsc::Receiver<Command>) + Send + 'static,
+    ) -> Result<Self> {
+        let (tx, rx) = mpsc::channel();
         let alive = Arc::clone(&liveness);
         std::thread::Builder::new()
             .name(thread.into())

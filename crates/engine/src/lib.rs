@@ -39,7 +39,7 @@ pub use doorbell::Doorbell;
 pub use exit::{sampled_rows, ExitHead, ExitSpan, LogitLens};
 pub use external::RequestBackend;
 pub use generate::{generate, generate_with_cache, Generation, GenerationTiming};
-pub use handle::{EngineHandle, EngineInfo, EngineStatus, Pending, RequestStream};
+pub use handle::{EngineHandle, EngineInfo, EngineStatus, Pending, Reachability, RequestStream};
 pub use kv::KvFormat;
 pub use output::{Completion, OutputProcessor, RequestOutput};
 pub use residency::{LayerLoadTime, LoadReport};

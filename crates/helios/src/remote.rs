@@ -18,17 +18,23 @@
 //! Each request runs on a thread of its own with a blocking HTTP client; a client that goes
 //! away (its stream dropped) or an abort closes the connection, which ends the request on the
 //! server too.
+//!
+//! A request that cannot reach the server (refused, reset, cut off mid-stream) marks the
+//! candidate [`EngineStatus::Unreachable`](switchyard_engine::EngineStatus), and so does a
+//! failed health check (`GET /v1/models` every [`HEALTH_INTERVAL`]); the orchestrator skips
+//! it until a check passes again.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use switchyard_engine::output::OutputSink;
 use switchyard_engine::{
-    EngineError, EngineHandle, EngineInfo, EngineRequest, RequestBackend, RequestId, RequestOutput,
+    EngineError, EngineHandle, EngineInfo, EngineRequest, Reachability, RequestBackend, RequestId,
+    RequestOutput,
 };
 use switchyard_request::FinishReason;
 use switchyard_tokenizer::Tokenizer;
@@ -40,6 +46,8 @@ use crate::{HeliosError, Result};
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest error body quoted in an error.
 const ERROR_BODY_CHARS: usize = 300;
+/// How often the server is health-checked.
+pub const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
 
 /// The requests a remote candidate streams.
 pub struct RemoteBackend {
@@ -50,11 +58,53 @@ pub struct RemoteBackend {
 /// The server a remote candidate's requests go to, shared by all of them.
 struct Target {
     name: String,
+    /// The server's root URL, and its completions endpoint.
+    url: String,
     endpoint: String,
     model: String,
     client: reqwest::blocking::Client,
     tokenizer: Arc<Tokenizer>,
     n_layers: usize,
+    /// The handle's status, set once the handle is spawned.
+    reachability: OnceLock<Reachability>,
+}
+
+impl Target {
+    /// Marks the server unreachable or reachable again, and says so in the log once.
+    fn reachable(&self, ok: bool, why: &str) {
+        let Some(r) = self.reachability.get() else {
+            return;
+        };
+        if r.set(ok) {
+            if ok {
+                tracing::warn!(model = %self.name, url = %self.url, "remote candidate is reachable again");
+            } else {
+                tracing::warn!(model = %self.name, url = %self.url, reason = why, "remote candidate marked unreachable");
+            }
+        }
+    }
+
+    /// Whether the server answers its model list.
+    fn check(&self) -> bool {
+        let resp = self
+            .client
+            .get(format!("{}/v1/models", self.url))
+            .timeout(CONNECT_TIMEOUT)
+            .send();
+        matches!(resp, Ok(r) if r.status().is_success())
+    }
+}
+
+/// Health-checks the server every [`HEALTH_INTERVAL`] until the candidate is dropped.
+fn health_loop(target: Weak<Target>) {
+    loop {
+        std::thread::sleep(HEALTH_INTERVAL);
+        let Some(t) = target.upgrade() else {
+            return;
+        };
+        let ok = t.check();
+        t.reachable(ok, "the health check failed");
+    }
 }
 
 /// Starts an engine handle over the remote candidate `entry`.
@@ -89,11 +139,13 @@ pub fn remote_candidate(entry: &ModelEntry) -> Result<EngineHandle> {
     let backend = RemoteBackend {
         target: Arc::new(Target {
             name: entry.name.clone(),
+            url: url.trim_end_matches('/').to_string(),
             endpoint: format!("{}/v1/completions", url.trim_end_matches('/')),
             model: model.to_string(),
             client,
             tokenizer,
             n_layers: entry.layers,
+            reachability: OnceLock::new(),
         }),
         running: Arc::default(),
     };
@@ -144,6 +196,17 @@ impl RequestBackend for RemoteBackend {
 
     fn running(&self) -> usize {
         self.running.lock().map_or(0, |r| r.len())
+    }
+
+    fn watch(&mut self, reachability: Reachability) {
+        let _ = self.target.reachability.set(reachability);
+        let target = Arc::downgrade(&self.target);
+        let started = std::thread::Builder::new()
+            .name("switchyard-remote-health".into())
+            .spawn(move || health_loop(target));
+        if let Err(e) = started {
+            tracing::error!(model = %self.target.name, error = %e, "cannot start the health check");
+        }
     }
 }
 
@@ -268,7 +331,13 @@ impl Call {
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .body(self.body(request).to_string())
             .send()
-            .map_err(|e| failed(e.to_string()))?;
+            .map_err(|e| {
+                let why = e.to_string();
+                if !e.is_timeout() {
+                    self.target.reachable(false, &why);
+                }
+                failed(why)
+            })?;
         let status = resp.status();
         if !status.is_success() {
             let body: String = resp
@@ -284,7 +353,11 @@ impl Call {
             if self.stop.load(Ordering::SeqCst) || sink.is_closed() {
                 return Ok(FinishReason::Abort);
             }
-            let line = line.map_err(|e| failed(e.to_string()))?;
+            let line = line.map_err(|e| {
+                let why = format!("the stream broke off: {e}");
+                self.target.reachable(false, &why);
+                failed(why)
+            })?;
             let Some(data) = line.strip_prefix("data:").map(str::trim) else {
                 continue;
             };

@@ -1,9 +1,10 @@
 //! A model served by a remote OpenAI-compatible server (vLLM, SGLang, llama.cpp's server,
 //! another Switchyard), or by several replicas of one: requests are forwarded with the remote
 //! model name to the healthy replica with the fewest requests in flight, streams are relayed
-//! byte for byte, a request that fails before any of its answer came back is retried once on
-//! another replica, failures become OpenAI errors naming the backend, and a background task
-//! health-checks every replica (one that fails is skipped until it passes again).
+//! unchanged event by event, a request that fails before any of its answer came back is
+//! retried once on another replica, failures become OpenAI errors naming the backend (an
+//! error event when a stream breaks off), and a background task health-checks every replica
+//! (one that fails is skipped until it passes again).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -12,7 +13,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use futures::TryStreamExt;
+use futures::StreamExt;
 
 use crate::config::{BackendSection, DEFAULT_HEALTH_INTERVAL_S, DEFAULT_REQUEST_TIMEOUT_S};
 use crate::error::ApiError;
@@ -33,6 +34,29 @@ struct Replica {
 struct ReplicaLoad {
     model: Arc<RemoteModel>,
     replica: usize,
+}
+
+impl ReplicaLoad {
+    /// The error for a replica whose answer broke off after its head: the request's time
+    /// ran out, or the replica failed (reset, closed, killed) and is marked down until its
+    /// health check passes again.
+    fn failed(&self, e: &reqwest::Error) -> ApiError {
+        if e.is_timeout() {
+            return ApiError::Timeout(self.model.timeout_s);
+        }
+        // reqwest's message is "error decoding response body"; the cause is in the chain.
+        let mut why = e.to_string();
+        let mut source = std::error::Error::source(e);
+        while let Some(s) = source {
+            why.push_str(": ");
+            why.push_str(&s.to_string());
+            source = s.source();
+        }
+        let url = &self.model.replicas[self.replica].url;
+        self.model.mark_down(self.replica, &why);
+        self.model
+            .unavailable(format!("replica {url} failed mid-answer: {why}"))
+    }
 }
 
 impl Drop for ReplicaLoad {
@@ -225,7 +249,8 @@ impl RemoteModel {
     /// Forwards the request: `body` as the client sent it (fields this server does not know
     /// included), with the remote's model name, to the least loaded healthy replica. A
     /// request that fails before any of its answer came back is tried once more on another
-    /// replica. A streamed answer is relayed unchanged as it arrives.
+    /// replica. A streamed answer is relayed unchanged as its events arrive; a whole one is
+    /// read, then passed on.
     pub async fn forward(
         self: &Arc<Self>,
         req: &ValidRequest,
@@ -274,14 +299,18 @@ impl RemoteModel {
             .get(header::CONTENT_TYPE)
             .cloned()
             .unwrap_or(header::HeaderValue::from_static("application/json"));
-        let stream = resp
-            .bytes_stream()
-            .map_err(std::io::Error::other)
-            .inspect_ok(move |_| {
-                // Keeps the request counted until the relayed stream ends or is dropped.
-                let _ = (&admission, &load);
-            });
-        let mut out = Body::from_stream(stream).into_response();
+        let streamed = content_type
+            .to_str()
+            .is_ok_and(|v| v.starts_with("text/event-stream"));
+        let mut out = if streamed {
+            Body::from_stream(relay_events(resp, admission, load)).into_response()
+        } else {
+            // A whole answer is read before it is passed on, so that a replica that fails
+            // while sending it still gets the client a 502 naming it, not a cut connection.
+            let bytes = resp.bytes().await.map_err(|e| load.failed(&e))?;
+            drop((admission, load));
+            Body::from(bytes).into_response()
+        };
         *out.status_mut() = status;
         out.headers_mut().insert(header::CONTENT_TYPE, content_type);
         Ok(out)
@@ -316,5 +345,91 @@ impl RemoteModel {
             }
             tokio::time::sleep(self.health_interval).await;
         }
+    }
+}
+
+/// A relayed event stream is held back to the end of its last complete event, at most this
+/// much of it (a backend that never ends an event is then passed on as it comes).
+const MAX_PARTIAL_EVENT_BYTES: usize = 1 << 20;
+
+/// Where the last complete server-sent event in `buf` ends: after its blank line (`\n\n`, or
+/// `\r\n\r\n` from a server that ends lines so).
+fn events_end(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buf
+        .windows(4)
+        .rposition(|w| w == b"\r\n\r\n")
+        .map(|i| i + 4);
+    lf.max(crlf)
+}
+
+/// What a relayed event stream still holds: the replica's stream, the bytes of an event not
+/// yet complete, and the request's places.
+struct Relay {
+    inner: futures::stream::BoxStream<'static, reqwest::Result<axum::body::Bytes>>,
+    partial: Vec<u8>,
+    load: ReplicaLoad,
+    _admission: RemoteAdmission,
+}
+
+/// The replica's events relayed unchanged, whole events at a time. When the replica fails
+/// mid-stream (killed, reset), the partial event it left is dropped and the stream ends as a
+/// local one does on an error: an error event naming the backend and the replica, then
+/// `[DONE]`; the replica is marked down.
+fn relay_events(
+    resp: reqwest::Response,
+    admission: RemoteAdmission,
+    load: ReplicaLoad,
+) -> impl futures::Stream<Item = Result<axum::body::Bytes, std::convert::Infallible>> {
+    let relay = Relay {
+        inner: resp.bytes_stream().boxed(),
+        partial: Vec::new(),
+        load,
+        _admission: admission,
+    };
+    futures::stream::unfold(Some(relay), |relay| async move {
+        let mut r = relay?;
+        loop {
+            match r.inner.next().await {
+                Some(Ok(bytes)) => {
+                    r.partial.extend_from_slice(&bytes);
+                    let end = if r.partial.len() > MAX_PARTIAL_EVENT_BYTES {
+                        Some(r.partial.len())
+                    } else {
+                        events_end(&r.partial)
+                    };
+                    if let Some(end) = end {
+                        let rest = r.partial.split_off(end);
+                        let whole = std::mem::replace(&mut r.partial, rest);
+                        return Some((Ok(whole.into()), Some(r)));
+                    }
+                }
+                None if r.partial.is_empty() => return None,
+                None => {
+                    let rest = std::mem::take(&mut r.partial);
+                    return Some((Ok(rest.into()), None));
+                }
+                Some(Err(e)) => {
+                    let body = serde_json::to_string(&r.load.failed(&e).body())
+                        .unwrap_or_else(|_| "{}".into());
+                    let end = format!("data: {body}\n\ndata: [DONE]\n\n");
+                    return Some((Ok(end.into()), None));
+                }
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::events_end;
+
+    #[test]
+    fn events_end_after_the_last_blank_line() {
+        assert_eq!(events_end(b"data: {}\n\ndata: [DO"), Some(10));
+        assert_eq!(events_end(b"data: a\n\ndata: b\n\n"), Some(18));
+        assert_eq!(events_end(b"data: a\r\n\r\ndata"), Some(11));
+        assert_eq!(events_end(b"data: a\ndata: b\n"), None);
+        assert_eq!(events_end(b""), None);
     }
 }

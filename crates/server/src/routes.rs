@@ -1301,10 +1301,10 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
 
 /// `{"status": "ok" | "unhealthy" | "shutting_down", "models": {NAME: {"state": STATE}}}`,
 /// with 503 unless ok. A local model's state is its engine thread's (`running`, `stopped`, or
-/// `failed` after a panic; HELIOS: its worst candidate engine's), and one that is not running
+/// `failed` after a panic; HELIOS: its worst candidate engine's), and one stopped or failed
 /// makes the instance unhealthy, so that a load balancer stops sending it traffic. A remote
-/// backend is `reachable` or `unreachable` by its last health check, reported but not counted:
-/// it is not this instance's failure.
+/// backend is `reachable` or `unreachable` by its last health check, and so is a HELIOS remote
+/// candidate (`unreachable`), reported but not counted: it is not this instance's failure.
 pub async fn health(State(state): State<Arc<AppState>>) -> Response {
     let mut down = false;
     let models: serde_json::Map<String, Value> = state
@@ -1316,7 +1316,7 @@ pub async fn health(State(state): State<Arc<AppState>>) -> Response {
                 Served::Remote(_) => "unreachable",
                 local => {
                     let engine = engine_status(&state, name, local);
-                    down |= engine != EngineStatus::Running;
+                    down |= engine >= EngineStatus::Stopped;
                     engine.as_str()
                 }
             };
@@ -1347,7 +1347,7 @@ fn engine_status(state: &AppState, name: &str, served: &Served) -> EngineStatus 
             .unwrap_or(EngineStatus::Running),
         Served::Remote(_) => return EngineStatus::Running,
     };
-    let up = if status == EngineStatus::Running {
+    let up = if status < EngineStatus::Stopped {
         1.0
     } else {
         0.0

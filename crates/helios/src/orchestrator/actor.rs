@@ -10,7 +10,9 @@ use std::collections::VecDeque;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use switchyard_engine::{Doorbell, EngineInfo, EngineRequest, ExitProbe, RequestStream};
+use switchyard_engine::{
+    Doorbell, EngineInfo, EngineRequest, EngineStatus, ExitProbe, RequestStream,
+};
 use switchyard_exits::confidence::passes;
 use tokio::sync::mpsc as tmpsc;
 
@@ -56,6 +58,9 @@ struct Active {
     engine: usize,
     /// The evaluation block it belongs to.
     block: Option<usize>,
+    /// The request again, kept while it may still be retried: sent to a remote candidate and
+    /// no output back yet. Should the candidate turn out unreachable, it goes to another.
+    retry: Option<HeliosRequest>,
 }
 
 struct Eval {
@@ -103,6 +108,9 @@ pub(super) struct State {
     /// Shadow evaluation: the local engines' budgets together (what the caller gave them),
     /// moved to whichever engine serves (see [`State::grant`]).
     budget_total: u64,
+    /// Serving another candidate because the chosen one became unreachable: back to the best
+    /// of all once every candidate serves again.
+    failed_over: bool,
     /// Rung by every request's outputs, every command and every finished shadow round.
     pub(super) bell: Doorbell,
 }
@@ -281,6 +289,7 @@ impl State {
             tokens_per_request: 0.0,
             shadow,
             budget_total,
+            failed_over: false,
             bell,
         };
         if state.shadow.is_some() {
@@ -362,8 +371,17 @@ impl State {
             }
             self.send_round();
         }
+        self.route(q, true);
+    }
+
+    /// Hands `q` to the serving candidate, or to the evaluation; `retry` when it may be sent
+    /// once more should its candidate turn out unreachable.
+    fn route(&mut self, q: Queued, retry: bool) {
         if matches!(self.phase, Phase::Idle) {
             self.start_eval(ProfileReason::Initial);
+        }
+        if matches!(self.phase, Phase::Serving { .. }) {
+            self.fail_over_or_back();
         }
         match &mut self.phase {
             Phase::Idle => {
@@ -385,14 +403,95 @@ impl State {
                     return;
                 };
                 if b == e.current {
-                    self.dispatch(q, self.eval_engine(b), Some(b));
+                    self.dispatch_with(q, self.eval_engine(b), Some(b), retry);
                 } else {
                     e.queued[b].push_back(q);
                 }
             }
             Phase::Serving { engine, .. } => {
                 let engine = *engine;
-                self.dispatch(q, engine, None);
+                self.dispatch_with(q, engine, None, retry);
+            }
+        }
+    }
+
+    /// Whether engine `i` serves: running, and for a remote candidate, reachable.
+    fn reachable(&self, i: usize) -> bool {
+        self.engines[i].handle.status() == EngineStatus::Running
+    }
+
+    /// The candidates whose engines serve (all of them when none does, so that the error a
+    /// request then gets names the failure).
+    fn live_candidates(&self) -> Vec<Candidate> {
+        let live: Vec<Candidate> = self
+            .candidates
+            .iter()
+            .filter(|c| self.reachable(c.1))
+            .map(|c| c.0.clone())
+            .collect();
+        if live.is_empty() {
+            self.candidates.iter().map(|c| c.0.clone()).collect()
+        } else {
+            live
+        }
+    }
+
+    /// The choice among the candidates that serve now: by the shadow scores' offline
+    /// telemetry or by the PHT, as the evaluation in use chooses.
+    fn choose_live(&self) -> Option<Serving> {
+        let cands = self.live_candidates();
+        let chosen = if self.shadow.is_some() {
+            self.policy
+                .choose_shadow(&self.repo, &cands, &BTreeMap::new())
+        } else {
+            self.policy.choose_serving(&self.repo, &cands, &self.pht)
+        };
+        match chosen {
+            Ok(p) => Some(Serving {
+                model: p.model,
+                depth: p.depth,
+            }),
+            Err(err) => {
+                tracing::warn!(error = %err, "HELIOS: no reachable candidate fits");
+                None
+            }
+        }
+    }
+
+    /// While serving: moves off a candidate that became unreachable to the best one that
+    /// serves, and once every candidate serves again, back to the best of all.
+    fn fail_over_or_back(&mut self) {
+        let Phase::Serving { serving, engine } = &self.phase else {
+            return;
+        };
+        let (current, engine) = (serving.clone(), *engine);
+        let lost = !self.reachable(engine);
+        let recovered = self.failed_over && self.candidates.iter().all(|c| self.reachable(c.1));
+        if !lost && !recovered {
+            return;
+        }
+        let Some(best) = self.choose_live() else {
+            return;
+        };
+        if recovered {
+            self.failed_over = false;
+        }
+        if best == current {
+            return;
+        }
+        tracing::warn!(
+            from = %current.model,
+            to = %best.model,
+            depth = best.depth,
+            reason = if lost { "unreachable" } else { "reachable again" },
+            "HELIOS: serving another candidate"
+        );
+        if self.move_to(best) {
+            if lost {
+                self.failed_over = true;
+                self.counters.failovers += 1;
+            } else {
+                self.counters.failbacks += 1;
             }
         }
     }
@@ -406,6 +505,14 @@ impl State {
 
     /// Tokenizes for engine `i` and hands the request to it.
     fn dispatch(&mut self, q: Queued, i: usize, block: Option<usize>) {
+        self.dispatch_with(q, i, block, true);
+    }
+
+    /// [`State::dispatch`]; `retry` when the request may go to another candidate should a
+    /// remote one turn out unreachable before it answers.
+    fn dispatch_with(&mut self, q: Queued, i: usize, block: Option<usize>, retry: bool) {
+        let remote = is_remote(&self.repo, &self.engines[i].name);
+        let keep = (retry && remote).then(|| q.request.clone());
         let e = &self.engines[i];
         let added = tokenize(&e.info, &q.request.prompt).and_then(|prompt| {
             let room = e.info.context_length.saturating_sub(prompt.len()).max(1);
@@ -424,6 +531,7 @@ impl State {
                 sink: q.sink,
                 engine: i,
                 block,
+                retry: keep,
             }),
             Err(err) => {
                 let _ = q.sink.send(Err(err));
@@ -452,6 +560,7 @@ impl State {
                 match o {
                     Ok(o) => {
                         finished = o.finish_reason.is_some();
+                        self.active[i].retry = None;
                         self.observe(i, &o);
                         let a = &self.active[i];
                         let out = HeliosOutput {
@@ -462,8 +571,15 @@ impl State {
                         let _ = a.sink.send(Ok(out));
                     }
                     Err(e) => {
-                        let _ = self.active[i].sink.send(Err(e.into()));
                         finished = true;
+                        let engine = self.active[i].engine;
+                        if self.active[i].retry.is_some() && !self.reachable(engine) {
+                            // Nothing of it reached the client: it goes to another candidate.
+                            tracing::warn!(model = %self.engines[engine].name, error = %e, "HELIOS: remote candidate unreachable, the request goes to another");
+                        } else {
+                            self.active[i].retry = None;
+                            let _ = self.active[i].sink.send(Err(e.into()));
+                        }
                     }
                 }
                 if finished {
@@ -471,8 +587,18 @@ impl State {
                 }
             }
             if finished {
-                let a = self.active.swap_remove(i);
+                let mut a = self.active.swap_remove(i);
                 self.request_done(&a);
+                if let Some(request) = a.retry.take() {
+                    self.counters.retried += 1;
+                    self.route(
+                        Queued {
+                            request,
+                            sink: a.sink,
+                        },
+                        false,
+                    );
+                }
             } else {
                 i += 1;
             }
@@ -572,7 +698,18 @@ impl State {
     fn start_eval(&mut self, reason: ProfileReason) {
         let started = Instant::now();
         tracing::info!(?reason, "HELIOS online evaluation starts");
-        let blocks: Vec<usize> = self.candidates.iter().map(|c| c.1).collect();
+        // A remote candidate that cannot be reached is not evaluated.
+        let live: Vec<usize> = self
+            .candidates
+            .iter()
+            .map(|c| c.1)
+            .filter(|&i| self.reachable(i))
+            .collect();
+        let blocks = if live.is_empty() {
+            self.candidates.iter().map(|c| c.1).collect()
+        } else {
+            live
+        };
         let names = blocks
             .iter()
             .map(|&i| self.engines[i].name.to_string())
@@ -679,7 +816,7 @@ impl State {
             self.pht.upsert(row);
         }
         self.tokens_per_request = tokens / e.blocks.len().max(1) as f64;
-        let cands: Vec<Candidate> = self.candidates.iter().map(|c| c.0.clone()).collect();
+        let cands = self.live_candidates();
         let (engine, depth) = match self.policy.choose_serving(&self.repo, &cands, &self.pht) {
             Ok(p) => (self.engine_index(&p.model).unwrap_or(e.blocks[0]), p.depth),
             Err(err) => {
@@ -894,7 +1031,7 @@ impl State {
             return true;
         };
         let current = serving.clone();
-        let cands: Vec<Candidate> = self.candidates.iter().map(|c| c.0.clone()).collect();
+        let cands = self.live_candidates();
         let best = match self.policy.choose_shadow(&self.repo, &cands, &by_model) {
             Ok(p) => Some(Serving {
                 model: p.model,

@@ -217,6 +217,12 @@ pub struct Counters {
     pub tokens_breached: u64,
     pub requests: u64,
     pub evaluation_requests: u64,
+    /// Moves off a serving candidate that became unreachable, and back once it served again.
+    pub failovers: u64,
+    pub failbacks: u64,
+    /// Requests sent again to another candidate: their remote one was unreachable before
+    /// any of the answer came back.
+    pub retried: u64,
     /// Shadow evaluation: scoring rounds finished, prompts scored per candidate, the
     /// scorer's compute and sleep, and the share of time it computed.
     pub shadow_rounds: u64,

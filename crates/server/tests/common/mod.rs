@@ -54,6 +54,11 @@ impl Drop for TestServer {
 
 /// A server for `toml` (the `[[models]]` entry for the test model is added when absent).
 pub async fn start(toml: &str) -> TestServer {
+    start_at(toml, "127.0.0.1:0").await
+}
+
+/// [`start`] on the address `addr` (`host:port`).
+pub async fn start_at(toml: &str, addr: &str) -> TestServer {
     let toml = if toml.contains("[[models]]") || toml.contains("[[backends]]") {
         toml.to_string()
     } else {
@@ -63,9 +68,7 @@ pub async fn start(toml: &str) -> TestServer {
     let state = switchyard_server::build_state(&cfg)
         .await
         .expect("engines start");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
+    let listener = tokio::net::TcpListener::bind(addr).await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let app = switchyard_server::router(state.clone());
     let task = tokio::spawn(switchyard_server::listen::serve_connections(
@@ -79,6 +82,61 @@ pub async fn start(toml: &str) -> TestServer {
         base: format!("http://{addr}"),
         state,
         task,
+    }
+}
+
+/// A server on a runtime of its own, as if in another process: [`Detached::kill`] drops that
+/// runtime, which ends every connection it had open at once.
+pub struct Detached {
+    pub base: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Detached {
+    pub fn kill(mut self) {
+        self.end();
+    }
+
+    fn end(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Detached {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+/// [`start_at`] on a runtime of its own thread; returns once it listens.
+pub fn start_detached(toml: &str, addr: &str) -> Detached {
+    let (toml, addr) = (toml.to_string(), addr.to_string());
+    let (started, base) = std::sync::mpsc::channel();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let server = start_at(&toml, &addr).await;
+            let _ = started.send(server.base.clone());
+            let _ = stopped.await;
+        });
+        // The runtime drops here, and every connection task with it.
+    });
+    let base = base.recv().expect("the detached server started");
+    Detached {
+        base,
+        stop: Some(stop),
+        thread: Some(thread),
     }
 }
 
