@@ -29,7 +29,7 @@ use serde::Serialize;
 use tokio::sync::{mpsc, Semaphore};
 
 pub use arrivals::{Arrivals, RequestRate};
-pub(crate) use client::streamed_request;
+pub(crate) use client::{error_chain, http_client, streamed_request};
 pub use client::{RequestFailure, RequestRecord, TokenSource};
 pub use metrics::{Distribution, Metrics, Slos, TokenCount};
 pub use report::{ErrorCount, ServeReport};

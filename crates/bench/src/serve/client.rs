@@ -183,13 +183,8 @@ pub(crate) struct Client {
 
 impl Client {
     pub fn new(opts: &ServeOptions) -> Result<Self> {
-        let http = reqwest::Client::builder()
-            .timeout(opts.request_timeout)
-            .tcp_nodelay(true)
-            .build()
-            .map_err(|e| BenchError::Invalid(format!("building the HTTP client: {e}")))?;
         Ok(Self {
-            http,
+            http: http_client(opts.request_timeout)?,
             url: opts.url.clone(),
             model: opts.model.clone(),
             endpoint: opts.endpoint,
@@ -316,15 +311,7 @@ impl Client {
         if e.is_timeout() {
             return RequestFailure::Timeout(self.timeout);
         }
-        // reqwest's message names the URL; the cause (refused, reset, closed) is in the chain.
-        let mut text = e.to_string();
-        let mut source = std::error::Error::source(e);
-        while let Some(s) = source {
-            text.push_str(": ");
-            text.push_str(&s.to_string());
-            source = s.source();
-        }
-        RequestFailure::Transport(text)
+        RequestFailure::Transport(error_chain(e))
     }
 }
 
@@ -352,6 +339,28 @@ fn finished(m: &Measured) -> std::result::Result<(), RequestFailure> {
     } else {
         Ok(())
     }
+}
+
+/// The benchmark clients' HTTP client: one connection pool, `timeout` a request, no Nagle.
+pub(crate) fn http_client(timeout: Duration) -> Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .tcp_nodelay(true)
+        .build()
+        .map_err(|e| BenchError::Invalid(format!("building the HTTP client: {e}")))
+}
+
+/// A transport error with its causes: reqwest's message names the URL, the cause (refused,
+/// reset, closed) is in the chain.
+pub(crate) fn error_chain(e: &reqwest::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 /// The request vLLM's benchmark client sends: greedy, streamed, usage asked for, the prompt as

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::{parse_gauges, Failure, Gauges, SoakOptions, SoakRecord};
 use crate::serve::sse::{parse_line, Line, LineSplitter};
-use crate::serve::{streamed_request, Endpoint};
+use crate::serve::{error_chain, http_client, streamed_request, Endpoint};
 use crate::{BenchError, Result};
 
 /// Longest excerpt of an error response body kept as a failure's example.
@@ -42,15 +42,7 @@ fn transport(e: &reqwest::Error) -> Failure {
     } else {
         "transport"
     };
-    // reqwest's message names the URL; the cause (refused, reset, closed) is in the chain.
-    let mut text = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    failure(reason, text)
+    failure(reason, error_chain(e))
 }
 
 /// Timings of the attempt in progress.
@@ -64,13 +56,8 @@ struct Timing {
 
 impl Client {
     pub(super) fn new(opts: &SoakOptions) -> Result<Self> {
-        let http = reqwest::Client::builder()
-            .timeout(opts.request_timeout)
-            .tcp_nodelay(true)
-            .build()
-            .map_err(|e| BenchError::Invalid(format!("building the HTTP client: {e}")))?;
         Ok(Self {
-            http,
+            http: http_client(opts.request_timeout)?,
             url: opts.url.clone(),
             metrics_url: opts.metrics_url.clone(),
             model: opts.model.clone(),
