@@ -2,11 +2,15 @@
 # The cost of constrained decoding per output token: the same synthetic chat requests (128
 # prompt tokens, 128 output tokens, --ignore-eos) with and without a JSON schema that keeps
 # every request generating to its limit, against one `switchyard serve`, in alternating rounds.
+# A third run per round asks for log-probabilities as well, which makes every constrained
+# position compute its full mask (rows whose log-probabilities are read cannot be drawn before
+# the mask): it shows what drawing first and checking the token saves.
 #
 #   scripts/constrained-cost.sh                  (ROUNDS=4 CONCURRENCY="32 1")
 #   OUT=reports/constrained ROUNDS=4 scripts/constrained-cost.sh
 #
-# Writes OUT/c{CONCURRENCY}-{plain,schema}-{ROUND}.json and prints the mean-TPOT table.
+# Writes OUT/c{CONCURRENCY}-{plain,schema,masked}-{ROUND}.json, OUT/metrics.txt (the server's
+# constrained-token counters) and prints the mean-TPOT table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-reports/constrained}
@@ -27,12 +31,15 @@ for _ in $(seq 1 120); do
   curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break
   sleep 1
 done
-SCHEMA='{"response_format":{"type":"json_schema","json_schema":{"name":"list","schema":{"type":"array","items":{"type":"string","maxLength":30},"minItems":200}}}}'
+FORMAT='"response_format":{"type":"json_schema","json_schema":{"name":"list","schema":{"type":"array","items":{"type":"string","maxLength":30},"minItems":200}}}'
+SCHEMA="{$FORMAT}"
+MASKED="{$FORMAT,\"logprobs\":true}"
 run() { # concurrency kind round
   local c=$1 kind=$2 r=$3 n=$(($1 * 2))
   [ "$c" -eq 1 ] && n=6
   local extra=()
   [ "$kind" = schema ] && extra=(--extra-body "$SCHEMA")
+  [ "$kind" = masked ] && extra=(--extra-body "$MASKED")
   $SY bench serve --url "http://127.0.0.1:$PORT" --model "$MODEL" --dataset synthetic \
     --input-len 128 --output-len 128 --ignore-eos --endpoint chat --num-prompts "$n" \
     --max-concurrency "$c" "${extra[@]}" --json "$OUT/c$c-$kind-$r.json" >/dev/null
@@ -43,19 +50,23 @@ for c in $CONCURRENCY; do
   for r in $(seq 1 "$ROUNDS"); do
     run "$c" plain "$r"
     run "$c" schema "$r"
+    run "$c" masked "$r"
   done
 done
+curl -sf "http://127.0.0.1:$PORT/metrics" | grep '^switchyard_constrained_tokens_total' >"$OUT/metrics.txt" || true
+cat "$OUT/metrics.txt"
 python3 - "$OUT" "$ROUNDS" $CONCURRENCY <<'EOF'
 import json, statistics, sys
 out, rounds, cs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-print("| concurrency | round | plain mean TPOT (ms) | constrained | ratio |")
-print("|---|---|---|---|---|")
+print("| concurrency | round | plain mean TPOT (ms) | constrained | ratio | every position masked | ratio |")
+print("|---|---|---|---|---|---|---|")
 for c in cs:
-    ratios = []
+    ratios, masked = [], []
     for r in range(1, rounds + 1):
-        p = json.load(open(f"{out}/c{c}-plain-{r}.json"))["mean_tpot_ms"]
-        s = json.load(open(f"{out}/c{c}-schema-{r}.json"))["mean_tpot_ms"]
+        tpot = lambda kind: json.load(open(f"{out}/c{c}-{kind}-{r}.json"))["mean_tpot_ms"]
+        p, s, m = tpot("plain"), tpot("schema"), tpot("masked")
         ratios.append(s / p)
-        print(f"| {c} | {r} | {p:.2f} | {s:.2f} | {s / p:.3f} |")
-    print(f"| {c} | median | | | {statistics.median(ratios):.3f} |")
+        masked.append(m / p)
+        print(f"| {c} | {r} | {p:.2f} | {s:.2f} | {s / p:.3f} | {m:.2f} | {m / p:.3f} |")
+    print(f"| {c} | median | | | {statistics.median(ratios):.3f} | | {statistics.median(masked):.3f} |")
 EOF

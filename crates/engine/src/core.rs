@@ -151,6 +151,7 @@ pub struct EngineStats {
     pub prefix_cache_hit_tokens: u64,
     pub prefix_cache_queried_tokens: u64,
     pub prefix_cache_hit_rate: f64,
+    pub constrained: ConstrainedCounters,
     /// The latest layer loads.
     pub layer_loads: Vec<LayerLoadTime>,
 }
@@ -166,6 +167,14 @@ impl EngineStats {
     pub fn kv_capacity_tokens(&self) -> usize {
         self.kv_blocks_total / self.depth.max(1) * self.block_tokens
     }
+}
+
+/// Structured-output tokens sampled since start, and how many needed the constraint's full
+/// mask over the vocabulary (the others were drawn first and checked alone).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ConstrainedCounters {
+    pub tokens: u64,
+    pub masked: u64,
 }
 
 /// Exits to test below the serving depth, for measuring an exit-depth distribution while
@@ -212,6 +221,8 @@ pub struct EngineCore {
     grammar: Option<Arc<GrammarCompiler>>,
     /// Constrained requests whose grammar failed in the last forward, to end with an error.
     grammar_failed: Vec<(RequestId, GrammarError)>,
+    /// Constrained tokens sampled, and how many of them needed a full mask.
+    constrained: ConstrainedCounters,
 }
 
 impl std::fmt::Debug for EngineCore {
@@ -293,6 +304,7 @@ impl EngineCore {
             probe: None,
             grammar: None,
             grammar_failed: Vec::new(),
+            constrained: ConstrainedCounters::default(),
         })
     }
 
@@ -572,7 +584,11 @@ impl EngineCore {
             let s = match req.constraint.as_mut() {
                 None => req.sampler.sample(row, tokens, prompt_len),
                 Some(c) => match req.sampler.sample_constrained(row, tokens, prompt_len, c) {
-                    Ok(s) => s,
+                    Ok((s, masked)) => {
+                        self.constrained.tokens += 1;
+                        self.constrained.masked += u64::from(masked);
+                        s
+                    }
                     Err(e) => {
                         self.grammar_failed.push((*id, e));
                         continue;
@@ -608,9 +624,11 @@ impl EngineCore {
         Ok((sampled, exits, top))
     }
 
-    /// Computes the masks of every constrained row about to be sampled, spread over the
-    /// compute pool (each row's llguidance mask is independent of the others'), so a batch of
-    /// constrained rows costs about one mask per thread instead of one per row on this thread.
+    /// Computes the masks of every constrained row about to be sampled that will need one,
+    /// spread over the compute pool (each row's llguidance mask is independent of the
+    /// others'), so a batch of constrained rows costs about one mask per thread instead of
+    /// one per row on this thread. Rows the sampler may draw before masking (see
+    /// [`Sampler::sample_constrained`]) are left out: most of their tokens need no mask.
     fn prepare_masks(&mut self, rows: &[(RequestId, u32)]) {
         // Most steps have no constrained row: nothing to gather.
         let constrained = self.requests.values().filter(|r| r.constraint.is_some());
@@ -621,7 +639,7 @@ impl EngineCore {
         let constraints: Vec<std::sync::Mutex<&mut Constraint>> = self
             .requests
             .iter_mut()
-            .filter(|(id, _)| ids.contains(id))
+            .filter(|(id, r)| ids.contains(id) && !r.sampler.may_sample_before_mask())
             .filter_map(|(_, r)| r.constraint.as_mut())
             .map(std::sync::Mutex::new)
             .collect();
@@ -975,6 +993,7 @@ impl EngineCore {
             prefix_cache_hit_tokens: cache.hits_tokens(),
             prefix_cache_queried_tokens: cache.queried_tokens(),
             prefix_cache_hit_rate: cache.hit_rate(),
+            constrained: self.constrained,
             layer_loads: self.load_times.clone(),
         }
     }

@@ -32,8 +32,9 @@ pub mod sequential;
 pub mod stop;
 
 pub use crate::core::{
-    end_of_generation_tokens, max_prob, EngineConfig, EngineCore, EngineRequest, EngineStats,
-    ExitProbe, MemoryStats, StepResult, TokenOutput, DEFAULT_MEMORY_BUDGET,
+    end_of_generation_tokens, max_prob, ConstrainedCounters, EngineConfig, EngineCore,
+    EngineRequest, EngineStats, ExitProbe, MemoryStats, StepResult, TokenOutput,
+    DEFAULT_MEMORY_BUDGET,
 };
 pub use doorbell::Doorbell;
 pub use exit::{sampled_rows, ExitHead, ExitSpan, LogitLens};

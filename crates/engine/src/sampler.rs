@@ -69,29 +69,55 @@ impl Sampler {
             .params
             .processes_logits()
             .then(|| self.processed(logits, tokens, prompt_len));
-        self.sample_from(logits, processed)
+        self.sample_from(logits, processed.as_deref())
     }
 
     /// [`Sampler::sample`] under a structured-output constraint: tokens it does not allow are
     /// masked out (after bias and penalties), and the sampled token advances it.
+    ///
+    /// Where the result cannot differ, the token is drawn before any mask and only checked
+    /// against the constraint ([`Constraint::allows`], one token through the parser instead
+    /// of the whole vocabulary); a mask is computed only when the check refuses it. That is
+    /// exact for greedy rows (the unmasked argmax, when allowed, is the masked argmax,
+    /// ties included) and for plain temperature sampling: a draw from p kept when it falls in
+    /// the allowed set A, otherwise a draw from p restricted to A, yields p(t)/p(A), the masked
+    /// distribution, which is rejection sampling's argument. Top-k, top-p and min-p cut the
+    /// distribution after masking, so rows with them always mask. So do rows whose
+    /// log-probabilities are read, which must be normalized over A. The second return says
+    /// whether a mask was computed.
     pub fn sample_constrained(
         &mut self,
         logits: &[f32],
         tokens: &[u32],
         prompt_len: usize,
         constraint: &mut Constraint,
-    ) -> Result<Sampled, GrammarError> {
+    ) -> Result<(Sampled, bool), GrammarError> {
         let mut l = self.processed(logits, tokens, prompt_len);
+        if self.may_sample_before_mask() {
+            let s = self.sample_from(logits, Some(&l));
+            if constraint.allows(s.token)? {
+                constraint.advance(s.token)?;
+                return Ok((s, false));
+            }
+        }
         constraint.mask(&mut l)?;
-        let s = self.sample_from(logits, Some(l));
+        let s = self.sample_from(logits, Some(&l));
         constraint.advance(s.token)?;
-        Ok(s)
+        Ok((s, true))
+    }
+
+    /// See [`Sampler::sample_constrained`].
+    pub(crate) fn may_sample_before_mask(&self) -> bool {
+        let p = &self.params;
+        !p.report_logprobs
+            && p.top_logprobs == 0
+            && (p.is_greedy() || (p.top_k == 0 && p.top_p >= 1.0 && p.min_p <= 0.0))
     }
 
     /// Samples from `processed` (the changed logits) or, when nothing changed them, `logits`.
-    fn sample_from(&mut self, logits: &[f32], processed: Option<Vec<f32>>) -> Sampled {
+    fn sample_from(&mut self, logits: &[f32], processed: Option<&[f32]>) -> Sampled {
         let _span = tracing::trace_span!("sample").entered();
-        let l = processed.as_deref().unwrap_or(logits);
+        let l = processed.unwrap_or(logits);
         // One pass for the maximum (and the greedy token), one vectorized pass for the
         // normalizer.
         let (first, max) = argmax_max(l);

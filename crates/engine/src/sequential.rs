@@ -295,6 +295,7 @@ pub(crate) fn stats_of(shape: &Shape, running: usize, waiting: usize) -> EngineS
         prefix_cache_hit_tokens: 0,
         prefix_cache_queried_tokens: 0,
         prefix_cache_hit_rate: 0.0,
+        constrained: Default::default(),
         layer_loads: Vec::new(),
     }
 }

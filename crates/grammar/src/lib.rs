@@ -116,8 +116,9 @@ impl GrammarCompiler {
             }
             Guide::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         };
-        let parser = self
-            .factory()?
+        let factory = self.factory()?;
+        let vocab = factory.tok_env().tok_trie().vocab_size();
+        let parser = factory
             .create_parser(grammar)
             .map_err(|e| invalid(e.to_string()))?;
         let matcher = Matcher::new(Ok(parser));
@@ -127,6 +128,7 @@ impl GrammarCompiler {
         Ok(Constraint {
             matcher,
             prepared: None,
+            vocab,
         })
     }
 }
@@ -144,6 +146,9 @@ pub struct Constraint {
     matcher: Matcher,
     /// The next position's mask, computed ahead by [`Constraint::prepare`].
     prepared: Option<SimpleVob>,
+    /// Tokens in the vocabulary; ids past it (padding rows of the output matrix) are never
+    /// allowed.
+    vocab: usize,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -198,6 +203,33 @@ impl Constraint {
         // Ids past the tokenizer's vocabulary (padding rows of the output matrix).
         logits[mask.len().min(n)..].fill(f32::NEG_INFINITY);
         Ok(())
+    }
+
+    /// Whether `token` may come next. Without a prepared mask this asks the parser about that
+    /// one token (its bytes through the lexer and the Earley sets, then rolled back), which
+    /// costs a small fraction of a mask over the whole vocabulary: the sampler tries the token
+    /// it drew from the unmasked logits first, and computes a mask only when it is refused.
+    pub fn allows(&mut self, token: u32) -> Result<bool> {
+        if token as usize >= self.vocab {
+            return Ok(false);
+        }
+        if let Some(mask) = &self.prepared {
+            return Ok(mask.is_allowed(token));
+        }
+        if self.matcher.is_stopped() {
+            // Only the end of sequence may follow; that mask is one bit, cheap to build.
+            let mask = self
+                .matcher
+                .compute_mask_or_eos()
+                .map_err(|e| GrammarError::Parser(e.to_string()))?;
+            let allowed = mask.is_allowed(token);
+            self.prepared = Some(mask);
+            return Ok(allowed);
+        }
+        self.matcher
+            .validate_tokens(&[token])
+            .map(|n| n == 1)
+            .map_err(|e| GrammarError::Parser(e.to_string()))
     }
 
     /// Records the sampled token (ignored once the output is complete).

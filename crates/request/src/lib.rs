@@ -125,6 +125,12 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// How many most likely alternatives to report with each sampled token (0: none).
     pub top_logprobs: usize,
+    /// Whether the caller reads each sampled token's log-probability (the server sets it
+    /// from OpenAI's `logprobs`). When it does not, a constrained greedy or plain-temperature
+    /// row may be drawn before its mask is computed (the tokens' distribution is the same, see
+    /// the engine's sampler) and the log-probability it carries is not normalized over the
+    /// allowed tokens. On by default, so direct callers always get exact figures.
+    pub report_logprobs: bool,
     /// The output must follow this constraint (structured outputs).
     pub guide: Option<Guide>,
 }
@@ -147,6 +153,7 @@ impl Default for SamplingParams {
             min_tokens: 0,
             stop_token_ids: Vec::new(),
             top_logprobs: 0,
+            report_logprobs: true,
             guide: None,
         }
     }

@@ -37,6 +37,7 @@ pub struct Metrics {
     kv_blocks: GaugeVec,
     prefix_hit_rate: GaugeVec,
     prefix_tokens: CounterVec,
+    constrained_tokens: CounterVec,
     depth: GaugeVec,
     preemptions: GaugeVec,
     helios_decisions: GaugeVec,
@@ -86,6 +87,15 @@ impl Metrics {
             &["model", "kind"],
         ));
         must(registry.register(Box::new(prefix_tokens.clone())));
+        let constrained_tokens = must(CounterVec::new(
+            Opts::new(
+                "switchyard_constrained_tokens_total",
+                "Structured-output tokens sampled, by whether the constraint's full mask was \
+                 computed (`masked`) or the drawn token was checked alone (`checked`)",
+            ),
+            &["model", "kind"],
+        ));
+        must(registry.register(Box::new(constrained_tokens.clone())));
         let route_seconds = must(CounterVec::new(
             Opts::new(
                 "switchyard_route_decision_seconds_total",
@@ -183,6 +193,7 @@ impl Metrics {
                 &["model"],
             ),
             prefix_tokens,
+            constrained_tokens,
             depth: gauge(
                 "switchyard_depth_layers",
                 "Layers every token runs through (fixed-depth exit)",
@@ -269,11 +280,17 @@ impl Metrics {
             ("hit", s.prefix_cache_hit_tokens),
             ("queried", s.prefix_cache_queried_tokens),
         ] {
-            let c = self.prefix_tokens.with_label_values(&[model, kind]);
-            let delta = v as f64 - c.get();
-            if delta > 0.0 {
-                c.inc_by(delta);
-            }
+            raise_to(&self.prefix_tokens.with_label_values(&[model, kind]), v);
+        }
+        let k = &s.constrained;
+        for (kind, v) in [
+            ("masked", k.masked),
+            ("checked", k.tokens.saturating_sub(k.masked)),
+        ] {
+            raise_to(
+                &self.constrained_tokens.with_label_values(&[model, kind]),
+                v,
+            );
         }
         self.depth.with_label_values(&[model]).set(s.depth as f64);
         self.preemptions
@@ -288,6 +305,14 @@ impl Metrics {
             tracing::error!("encoding metrics failed: {e}");
         }
         String::from_utf8_lossy(&buf).into_owned()
+    }
+}
+
+/// Moves a counter up to an engine's running total (engines count; the counter follows).
+fn raise_to(counter: &prometheus::Counter, total: u64) {
+    let delta = total as f64 - counter.get();
+    if delta > 0.0 {
+        counter.inc_by(delta);
     }
 }
 

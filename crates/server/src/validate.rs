@@ -330,6 +330,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ValidRequest, ApiError> 
         min_tokens: usize::try_from(min_tokens).unwrap_or(usize::MAX),
         stop_token_ids,
         top_logprobs: top_logprobs as usize,
+        report_logprobs: logprobs,
         guide,
     };
     if let Some(m) = max_tokens {

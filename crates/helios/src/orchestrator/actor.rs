@@ -422,18 +422,21 @@ impl State {
 
     /// The candidates whose engines serve (all of them when none does, so that the error a
     /// request then gets names the failure).
-    fn live_candidates(&self) -> Vec<Candidate> {
-        let live: Vec<Candidate> = self
+    fn live(&self) -> Vec<&(Candidate, usize)> {
+        let live: Vec<_> = self
             .candidates
             .iter()
             .filter(|c| self.reachable(c.1))
-            .map(|c| c.0.clone())
             .collect();
         if live.is_empty() {
-            self.candidates.iter().map(|c| c.0.clone()).collect()
+            self.candidates.iter().collect()
         } else {
             live
         }
+    }
+
+    fn live_candidates(&self) -> Vec<Candidate> {
+        self.live().into_iter().map(|c| c.0.clone()).collect()
     }
 
     /// The choice among the candidates that serve now: by the shadow scores' offline
@@ -518,6 +521,9 @@ impl State {
             let room = e.info.context_length.saturating_sub(prompt.len()).max(1);
             let mut params = q.request.params.clone();
             params.max_tokens = params.max_tokens.min(room);
+            // The serial evaluation scores what each candidate generates by its
+            // log-probabilities, so they must be exact even where the client asked for none.
+            params.report_logprobs |= block.is_some();
             Ok(e.handle
                 .add_request_with_bell(EngineRequest { prompt, params }, Some(&self.bell))?)
         });
@@ -699,17 +705,7 @@ impl State {
         let started = Instant::now();
         tracing::info!(?reason, "HELIOS online evaluation starts");
         // A remote candidate that cannot be reached is not evaluated.
-        let live: Vec<usize> = self
-            .candidates
-            .iter()
-            .map(|c| c.1)
-            .filter(|&i| self.reachable(i))
-            .collect();
-        let blocks = if live.is_empty() {
-            self.candidates.iter().map(|c| c.1).collect()
-        } else {
-            live
-        };
+        let blocks: Vec<usize> = self.live().into_iter().map(|c| c.1).collect();
         let names = blocks
             .iter()
             .map(|&i| self.engines[i].name.to_string())
