@@ -9,8 +9,8 @@ use switchyard_engine::sampler::argmax;
 use switchyard_models::{DenseKv, LayeredModel};
 use switchyard_tokenizer::Tokenizer;
 
-use crate::stats::median;
 use crate::{BenchError, Result};
+use switchyard_eval::stats::median;
 
 /// llama-bench's defaults.
 pub const DEFAULT_PROMPT_TOKENS: usize = 512;

@@ -11,8 +11,8 @@ use switchyard_kernels::cpu::{simd_level, SimdLevel};
 use switchyard_kernels::quant::PackedWeight;
 use switchyard_weights::GgufFile;
 
-use crate::stats::median;
 use crate::{BenchError, Result};
+use switchyard_eval::stats::median;
 
 /// Minimum measuring time per kernel and case.
 pub const MIN_SECONDS: f64 = 0.2;

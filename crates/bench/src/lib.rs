@@ -7,11 +7,8 @@
 pub mod engine;
 pub mod kernels;
 pub mod offline;
-pub mod quality;
 pub mod serve;
-pub mod sharegpt;
 pub mod soak;
-pub mod stats;
 pub mod step;
 
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +26,8 @@ pub enum BenchError {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Eval(#[from] switchyard_eval::EvalError),
     #[error("{0}")]
     Invalid(String),
 }

@@ -19,9 +19,9 @@ use switchyard_request::SamplingParams;
 use switchyard_tokenizer::{ChatMessage, Tokenizer};
 use switchyard_weights::WeightSource;
 
-use crate::sharegpt::Sample;
-use crate::stats::{median, percentile};
 use crate::{BenchError, Result};
+use switchyard_eval::sharegpt::Sample;
+use switchyard_eval::stats::Percentiles;
 
 /// The figure is measured on 500 prompts.
 pub const DEFAULT_NUM_PROMPTS: usize = 500;
@@ -64,28 +64,6 @@ pub struct OfflineContext<'a> {
     pub dataset: &'a str,
     pub sample: &'a Sample,
     pub threads: usize,
-}
-
-#[derive(Debug, Clone, Copy, Serialize)]
-pub struct Percentiles {
-    pub mean: f64,
-    pub p50: f64,
-    pub p99: f64,
-}
-
-impl Percentiles {
-    fn of(xs: &[f64]) -> Self {
-        let mean = if xs.is_empty() {
-            f64::NAN
-        } else {
-            xs.iter().sum::<f64>() / xs.len() as f64
-        };
-        Self {
-            mean,
-            p50: median(xs),
-            p99: percentile(xs, 99.0),
-        }
-    }
 }
 
 /// One engine run over a list of requests.
@@ -459,15 +437,6 @@ fn hit_rate(base: &EngineStats, end: &EngineStats) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn percentiles_of_latencies() {
-        let xs: Vec<f64> = (1..=100).map(f64::from).collect();
-        let p = Percentiles::of(&xs);
-        assert_eq!((p.mean, p.p50), (50.5, 50.5));
-        assert!((p.p99 - 99.01).abs() < 1e-9);
-        assert!(Percentiles::of(&[]).mean.is_nan());
-    }
 
     #[test]
     fn cpu_time_grows_with_work() {

@@ -34,8 +34,8 @@ pub use client::{RequestFailure, RequestRecord, TokenSource};
 pub use metrics::{Distribution, Metrics, Slos, TokenCount};
 pub use report::{ErrorCount, ServeReport};
 
-use crate::sharegpt::SampledRequest;
 use crate::{BenchError, Result};
+use switchyard_eval::sharegpt::SampledRequest;
 
 /// vLLM's client gives a request six hours (`AIOHTTP_TIMEOUT`).
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(6 * 3600);

@@ -5,9 +5,9 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use switchyard_bench::sharegpt::{sample_requests, Sample, SampleOptions, DEFAULT_SEED};
 use switchyard_engine::kv::parse_bytes;
 use switchyard_engine::{EngineConfig, DEFAULT_MEMORY_BUDGET};
+use switchyard_eval::sharegpt::{sample_requests, Sample, SampleOptions, DEFAULT_SEED};
 use switchyard_helios::bench::drift::{run_drift, CodeSource, DriftOptions};
 use switchyard_helios::bench::{
     best_single_model, entry_without_telemetry, run_bench_helios, BenchCandidate,

@@ -16,7 +16,7 @@ use switchyard_bench::serve::{
     endpoint_url, run_serve, Arrivals, BenchRequest, Endpoint, RequestRate, ServeOptions, Slos,
     DEFAULT_REQUEST_TIMEOUT,
 };
-use switchyard_bench::sharegpt::{sample_requests, SampleOptions, DEFAULT_SEED};
+use switchyard_eval::sharegpt::{sample_requests, SampleOptions, DEFAULT_SEED};
 use switchyard_tokenizer::Tokenizer;
 
 use crate::load::resolve_text;

@@ -8,10 +8,10 @@ use std::time::Duration;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use switchyard_bench::serve::{endpoint_url, Endpoint};
-use switchyard_bench::sharegpt::DEFAULT_SEED;
 use switchyard_bench::soak::{
     metrics_url, run_soak, Burst, PlanInput, RateSpec, SoakOptions, SoakPlan, DEFAULT_LOAD_FRACTION,
 };
+use switchyard_eval::sharegpt::DEFAULT_SEED;
 
 use crate::bench_serve::{load_tokenizer, sharegpt_prompts, EndpointArg};
 use crate::output::write_report;

@@ -5,10 +5,10 @@ use std::path::PathBuf;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use switchyard_exits::calibrate::{default_every, exit_depths};
-use switchyard_exits::corpus::Corpus;
+use switchyard_exit_training::calibrate::{default_every, exit_depths};
+use switchyard_exit_training::corpus::Corpus;
+use switchyard_exit_training::tune::run::{ee_tune, TuneConfig, TuneProgress, TuneTarget};
 use switchyard_exits::heads::{model_ref, HeadKind};
-use switchyard_exits::tune::run::{ee_tune, TuneConfig, TuneProgress, TuneTarget};
 use switchyard_exits::{file, fingerprint};
 use switchyard_models::LoadOptions;
 
@@ -33,16 +33,16 @@ pub struct EeTuneArgs {
     #[arg(long, default_value = "sharegpt")]
     corpus: String,
     /// Training rows (token positions).
-    #[arg(long, default_value_t = switchyard_exits::tune::run::DEFAULT_TOKENS)]
+    #[arg(long, default_value_t = switchyard_exit_training::tune::run::DEFAULT_TOKENS)]
     tokens: usize,
     /// Held-out rows scored.
-    #[arg(long, default_value_t = switchyard_exits::tune::run::DEFAULT_EVAL_TOKENS)]
+    #[arg(long, default_value_t = switchyard_exit_training::tune::run::DEFAULT_EVAL_TOKENS)]
     eval_tokens: usize,
-    #[arg(long, default_value_t = switchyard_exits::tune::run::DEFAULT_EPOCHS)]
+    #[arg(long, default_value_t = switchyard_exit_training::tune::run::DEFAULT_EPOCHS)]
     epochs: usize,
-    #[arg(long, default_value_t = switchyard_exits::tune::run::DEFAULT_BATCH)]
+    #[arg(long, default_value_t = switchyard_exit_training::tune::run::DEFAULT_BATCH)]
     batch: usize,
-    #[arg(long, default_value_t = switchyard_exits::tune::DEFAULT_LR)]
+    #[arg(long, default_value_t = switchyard_exit_training::tune::DEFAULT_LR)]
     lr: f64,
     /// Weight of the next token's cross-entropy added to the KL loss.
     #[arg(long, default_value_t = 0.0)]

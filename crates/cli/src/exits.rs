@@ -8,15 +8,16 @@ use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
-use switchyard_exits::bench::{bench_exits, BenchTarget, ExitBenchOptions};
-use switchyard_exits::calibrate::{
+use switchyard_exit_study::bench::{bench_exits, BenchTarget, ExitBenchOptions};
+use switchyard_exit_study::study::{self, PairReport, StudyModel, StudyReport};
+use switchyard_exit_study::{ExitPolicy, KvFix};
+use switchyard_exit_training::calibrate::{
     calibrate, default_every, exit_depths, CalibrationConfig, CalibrationTarget,
 };
-use switchyard_exits::corpus::{Corpus, Split};
+use switchyard_exit_training::corpus::{Corpus, Split};
+use switchyard_exit_training::tune::cost::CheckCost;
 use switchyard_exits::heads::model_ref;
-use switchyard_exits::study::{self, PairReport, StudyModel, StudyReport};
-use switchyard_exits::tune::cost::CheckCost;
-use switchyard_exits::{file, fingerprint, ConfidenceMeasure, ExitHeads, ExitPolicy, KvFix};
+use switchyard_exits::{file, fingerprint, ConfidenceMeasure, ExitHeads};
 use switchyard_models::LoadOptions;
 use switchyard_request::SamplingParams;
 
@@ -63,7 +64,7 @@ pub struct CalibrateArgs {
     #[arg(long, default_value = "sharegpt")]
     corpus: String,
     /// Token positions to calibrate on.
-    #[arg(long, default_value_t = switchyard_exits::calibrate::DEFAULT_TOKENS)]
+    #[arg(long, default_value_t = switchyard_exit_training::calibrate::DEFAULT_TOKENS)]
     tokens: usize,
     /// An exit every K layers (default: n_layers / 8).
     #[arg(long, value_name = "K", conflicts_with = "depths")]
@@ -72,7 +73,7 @@ pub struct CalibrateArgs {
     #[arg(long, value_delimiter = ',')]
     depths: Option<Vec<usize>>,
     /// Most tokens taken from one conversation or text chunk.
-    #[arg(long, default_value_t = switchyard_exits::corpus::DEFAULT_DOC_TOKENS)]
+    #[arg(long, default_value_t = switchyard_exit_training::corpus::DEFAULT_DOC_TOKENS)]
     doc_tokens: usize,
     /// Where to write the heads (default: `<model>.exits.safetensors` beside the model).
     #[arg(long)]
@@ -236,7 +237,7 @@ struct EvalExitsReport {
 struct HeadsComparison {
     files: Vec<String>,
     full_depth_bits_per_byte: f64,
-    rows: Vec<switchyard_exits::tune::eval::HeadScores>,
+    rows: Vec<switchyard_exit_training::tune::eval::HeadScores>,
     /// Per head: its exit check alone, a decode step to its exit with the check, and the
     /// full-depth step (milliseconds at batch 1).
     check_costs: Vec<CheckCost>,
@@ -251,7 +252,7 @@ impl HeadsComparison {
             "### Exit heads side by side (held-out; full depth {:.4} bits per byte)\n",
             self.full_depth_bits_per_byte
         );
-        s.push_str(&switchyard_exits::tune::eval::scores_table(
+        s.push_str(&switchyard_exit_training::tune::eval::scores_table(
             &self.rows,
             self.full_depth_bits_per_byte,
         ));
@@ -291,7 +292,7 @@ fn compare_heads(
             (stem, h)
         })
         .collect();
-    let target = switchyard_exits::tune::run::TuneTarget {
+    let target = switchyard_exit_training::tune::run::TuneTarget {
         model: &loaded.model,
         tokenizer: &loaded.tokenizer,
         model_ref: model_ref(&loaded.model, name, fp.sha256, fp.bytes),
@@ -299,12 +300,12 @@ fn compare_heads(
         checkpoint_dir: None,
     };
     let pb = bar("caching held-out hidden states {bar:40} {pos}/{len} ({eta})");
-    let (rows, check_costs, full) = switchyard_exits::tune::run::score_heads(
+    let (rows, check_costs, full) = switchyard_exit_training::tune::run::score_heads(
         &target,
         corpus,
         &named,
         tokens,
-        switchyard_exits::corpus::DEFAULT_DOC_TOKENS,
+        switchyard_exit_training::corpus::DEFAULT_DOC_TOKENS,
         |done, total| {
             pb.set_length(total as u64);
             pb.set_position(done as u64);
@@ -385,12 +386,12 @@ pub fn run_eval_exits(a: EvalExitsArgs) -> anyhow::Result<()> {
     let mut plots = Vec::new();
     if let Some(dir) = &a.plot {
         for r in &studies {
-            plots.extend(switchyard_exits::plot::plot_study(r, dir)?);
+            plots.extend(switchyard_exit_study::plot::plot_study(r, dir)?);
         }
         if let Some(p) = &pair {
-            plots.push(switchyard_exits::plot::plot_pair(p, dir)?);
+            plots.push(switchyard_exit_study::plot::plot_pair(p, dir)?);
         }
-        if !switchyard_exits::plot::fonts_available() {
+        if !switchyard_charts::fonts_available() {
             eprintln!("no TrueType font on this machine: plots have no text; see the tables");
         }
         for p in &plots {
@@ -437,7 +438,7 @@ pub struct BenchExitsArgs {
     /// Text for the prompt and for teacher-forced scoring: a file or a zoo dataset.
     #[arg(long, default_value = "shakespeare")]
     file: String,
-    #[arg(long, value_delimiter = ',', default_values_t = switchyard_exits::bench::DEFAULT_THRESHOLDS.to_vec())]
+    #[arg(long, value_delimiter = ',', default_values_t = switchyard_exit_study::bench::DEFAULT_THRESHOLDS.to_vec())]
     thresholds: Vec<f32>,
     /// KV fixes to measure: recompute, propagate.
     #[arg(long, value_delimiter = ',', default_values_t = ["recompute".to_string(), "propagate".to_string()])]
@@ -448,15 +449,15 @@ pub struct BenchExitsArgs {
     /// Exit depths checked (default: every head).
     #[arg(long, value_delimiter = ',')]
     exits: Option<Vec<usize>>,
-    #[arg(long, default_value_t = switchyard_exits::bench::DEFAULT_PROMPT_TOKENS)]
+    #[arg(long, default_value_t = switchyard_exit_study::bench::DEFAULT_PROMPT_TOKENS)]
     prompt_tokens: usize,
-    #[arg(long, default_value_t = switchyard_exits::bench::DEFAULT_GENERATE_TOKENS)]
+    #[arg(long, default_value_t = switchyard_exit_study::bench::DEFAULT_GENERATE_TOKENS)]
     generate_tokens: usize,
     /// Tokens of the file scored by teacher forcing.
-    #[arg(long, default_value_t = switchyard_exits::bench::DEFAULT_FORCED_TOKENS)]
+    #[arg(long, default_value_t = switchyard_exit_study::bench::DEFAULT_FORCED_TOKENS)]
     forced_tokens: usize,
     /// Repetitions of every configuration (tokens/s and speed-ups are medians).
-    #[arg(long, default_value_t = switchyard_exits::bench::DEFAULT_RUNS)]
+    #[arg(long, default_value_t = switchyard_exit_study::bench::DEFAULT_RUNS)]
     runs: usize,
     #[command(flatten)]
     heads: HeadsArgs,
@@ -553,14 +554,14 @@ pub fn generate(
         depths: a.exits.clone().unwrap_or_else(|| heads.depths()),
         probe,
     };
-    let ctx = switchyard_exits::baseline::EeContext {
+    let ctx = switchyard_exit_study::baseline::EeContext {
         model: &loaded.model,
         heads: &heads,
         policy: &policy,
         fix: kv_fix(&a.exit_kv)?,
     };
     let mut stdout = std::io::stdout().lock();
-    let g = switchyard_exits::baseline::generate_early_exit(
+    let g = switchyard_exit_study::baseline::generate_early_exit(
         &ctx,
         &loaded.tokenizer,
         prompt,

@@ -10,12 +10,12 @@ use switchyard_bench::offline::{
     run_offline, OfflineContext, OfflineOptions, OfflineReport, RunReport, DEFAULT_BATCH1_PROMPTS,
     DEFAULT_NUM_PROMPTS, DEFAULT_SYSTEM_PROMPT,
 };
-use switchyard_bench::sharegpt::{sample_requests, SampleOptions, DEFAULT_SEED};
 use switchyard_engine::kv::parse_bytes;
 use switchyard_engine::scheduler::{
     AdmissionPolicy, DEFAULT_MAX_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
 };
 use switchyard_engine::{EngineConfig, SchedulerConfig, DEFAULT_MEMORY_BUDGET};
+use switchyard_eval::sharegpt::{sample_requests, SampleOptions, DEFAULT_SEED};
 use switchyard_tokenizer::Tokenizer;
 
 use crate::load::resolve_text;

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use switchyard_exits::calibrate::{default_every, exit_depths};
+use switchyard_exit_training::calibrate::{default_every, exit_depths};
 use switchyard_exits::{file, fingerprint, ConfidenceMeasure, ExitHeads};
 use switchyard_helios::manifest::Manifest;
 use switchyard_helios::profile::{self, Profile, ProfileOptions, ProfileTarget, ProfileText};

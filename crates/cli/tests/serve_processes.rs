@@ -5,7 +5,7 @@
 //! the backend and the replica, is marked down and skipped, and is used again once a process
 //! serves on its address again. And API keys never reach the log, even at trace level.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

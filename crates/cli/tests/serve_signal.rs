@@ -1,7 +1,7 @@
 //! `switchyard serve` as a process: SIGTERM while requests stream lets them finish, refuses
 //! new work, and exits 0.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;

@@ -10,10 +10,11 @@ use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 use crate::core::EngineRequest;
-use crate::handle::{Command, EngineHandle, EngineInfo, Liveness, Reachability};
+use crate::handle::{Command, EngineHandle, EngineInfo, Reachability};
 use crate::output::OutputSink;
 use crate::residency::LoadReport;
 use crate::sequential::{stats_of, Shape};
+use crate::status::Liveness;
 use crate::{EngineError, RequestId, Result};
 
 /// Something that serves requests on its own threads.

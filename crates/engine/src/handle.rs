@@ -11,7 +11,7 @@
 //! loading overlaps with serving.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -29,37 +29,13 @@ use crate::core::{
 use crate::doorbell::Doorbell;
 use crate::output::{Completion, OutputProcessor, OutputSink, RequestOutput, OUTPUT_BUFFER};
 use crate::residency::{LoadReport, LoadedLayer};
+use crate::status::Liveness;
 use crate::{EngineError, RequestId, Result};
+
+pub use crate::status::EngineStatus;
 
 /// How often an idle engine looks for layers finished by a background load.
 const LOAD_POLL: Duration = Duration::from_millis(2);
-
-/// Whether an engine thread serves, as [`EngineHandle::status`] reports it; ordered from
-/// best to worst.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-#[repr(u8)]
-pub enum EngineStatus {
-    Running = 0,
-    /// A backend whose server cannot be reached (see [`Reachability`]): its requests fail
-    /// until its health check passes again, and then it serves again.
-    Unreachable = 1,
-    /// Shut down, or every handle was dropped.
-    Stopped = 2,
-    /// The thread panicked: its requests ended with [`EngineError::EngineFailed`], and it
-    /// takes no more. Nothing restarts it (its state may be corrupt).
-    Failed = 3,
-}
-
-impl EngineStatus {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EngineStatus::Running => "running",
-            EngineStatus::Unreachable => "unreachable",
-            EngineStatus::Stopped => "stopped",
-            EngineStatus::Failed => "failed",
-        }
-    }
-}
 
 /// Lets a backend that serves through another server (see
 /// [`crate::external::RequestBackend::watch`]) say whether that server can be reached: its
@@ -84,51 +60,6 @@ impl Reachability {
 
     pub fn status(&self) -> EngineStatus {
         self.0.status()
-    }
-}
-
-/// An engine thread's status, shared by its handles, the thread and its requests' sinks.
-#[derive(Debug)]
-pub(crate) struct Liveness {
-    model: String,
-    status: AtomicU8,
-}
-
-impl Liveness {
-    pub(crate) fn new(model: &str) -> Self {
-        Self {
-            model: model.to_string(),
-            status: AtomicU8::new(EngineStatus::Running as u8),
-        }
-    }
-
-    fn status(&self) -> EngineStatus {
-        match self.status.load(Ordering::SeqCst) {
-            0 => EngineStatus::Running,
-            1 => EngineStatus::Unreachable,
-            2 => EngineStatus::Stopped,
-            _ => EngineStatus::Failed,
-        }
-    }
-
-    pub(crate) fn fail(&self) {
-        self.status
-            .store(EngineStatus::Failed as u8, Ordering::SeqCst);
-    }
-
-    /// Marks a thread that returned stopped, unless it had failed.
-    fn stop(&self) {
-        let _ = self
-            .status
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |s| {
-                (s < EngineStatus::Stopped as u8).then_some(EngineStatus::Stopped as u8)
-            });
-    }
-
-    pub(crate) fn failure(&self) -> EngineError {
-        EngineError::EngineFailed {
-            model: self.model.clone(),
-        }
     }
 }
 

@@ -29,6 +29,7 @@ pub mod sampler;
 pub mod scheduler;
 pub mod score;
 pub mod sequential;
+pub mod status;
 pub mod stop;
 
 pub use crate::core::{

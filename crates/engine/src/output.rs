@@ -17,7 +17,7 @@ use tokio::sync::mpsc::{self, Receiver, Sender};
 
 use crate::core::{StepResult, TokenOutput};
 use crate::doorbell::Doorbell;
-use crate::handle::Liveness;
+use crate::status::Liveness;
 use crate::stop::{StopMatcher, StopOutcome};
 use crate::{EngineError, RequestId, Result};
 

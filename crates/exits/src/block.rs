@@ -423,7 +423,7 @@ fn check_start(kv: &BlockKv, start: usize) -> Result<()> {
 
 /// RMS norm with a scale, in differentiable operations (a block's norms, and the model's
 /// final norm in training).
-pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     Ok(x.broadcast_div(&(ms + eps)?.sqrt()?)?
         .broadcast_mul(weight)?)

@@ -25,15 +25,10 @@ use crate::fingerprint::Fingerprint;
 use crate::heads::{ExitHead, ExitHeads, ExitProbe, HeadKind, HeadsMeta, FORMAT_VERSION};
 use crate::{ExitsError, Result};
 
+pub use crate::fingerprint::sibling;
+
 /// The metadata key holding [`HeadsMeta`] as JSON.
 pub const META_KEY: &str = "switchyard.exits";
-
-/// `model` with `suffix` appended to its last component (a trailing `/` of a folder dropped).
-pub fn sibling(model: &Path, suffix: &str) -> PathBuf {
-    let s = model.as_os_str().to_string_lossy();
-    let trimmed = s.trim_end_matches('/');
-    PathBuf::from(format!("{trimmed}{suffix}"))
-}
 
 /// Where `switchyard calibrate` puts the heads of the model at `model`.
 pub fn default_heads_path(model: &Path) -> PathBuf {

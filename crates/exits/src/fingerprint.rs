@@ -16,6 +16,13 @@ use sha2::{Digest, Sha256};
 
 use crate::{ExitsError, Result};
 
+/// `model` with `suffix` appended to its last component (a trailing `/` of a folder dropped).
+pub fn sibling(model: &Path, suffix: &str) -> PathBuf {
+    let s = model.as_os_str().to_string_lossy();
+    let trimmed = s.trim_end_matches('/');
+    PathBuf::from(format!("{trimmed}{suffix}"))
+}
+
 /// A model's identity as the heads file records it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fingerprint {
@@ -33,7 +40,7 @@ struct CachedHash {
 
 /// Where the hash of a non-zoo model is cached.
 pub fn hash_cache_path(model: &Path) -> PathBuf {
-    crate::file::sibling(model, ".exits-sha256.json")
+    sibling(model, ".exits-sha256.json")
 }
 
 /// The model's fingerprint: the zoo catalog's verified hash, the cached hash when size and

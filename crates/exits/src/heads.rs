@@ -12,8 +12,29 @@ use serde::{Deserialize, Serialize};
 use switchyard_models::LayeredModel;
 
 use crate::block::{BlockConfig, BlockHead, BlockKv};
-use crate::ridge::Affine;
 use crate::{ExitsError, Result};
+
+/// `y = A x + b`, `A` row-major `[d_out][d_in]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Affine {
+    pub d_in: usize,
+    pub d_out: usize,
+    pub weight: Vec<f64>,
+    pub bias: Vec<f64>,
+    /// The relative `λ` it was solved with.
+    pub lambda_rel: f64,
+}
+
+impl Affine {
+    pub fn apply(&self, x: &[f64]) -> Vec<f64> {
+        (0..self.d_out)
+            .map(|i| {
+                let row = &self.weight[i * self.d_in..(i + 1) * self.d_in];
+                row.iter().zip(x).map(|(a, b)| a * b).sum::<f64>() + self.bias[i]
+            })
+            .collect()
+    }
+}
 
 /// What a head computes before the final norm. Stored in the heads file as a lowercase string.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

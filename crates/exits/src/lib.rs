@@ -1,51 +1,37 @@
-//! Early exit: exit heads for models that were not trained with them, how well they work, and
-//! the single-model early-exit baseline (EE-LLM) that HELIOS must beat.
+//! Early exit at serving time: exit heads for models that were not trained with them, the
+//! confidence measures that decide an exit, and the seam the engine calls.
 //!
 //! * [`heads`]: exit heads and the seam the rest of Switchyard calls,
 //!   [`ExitHeads::logits`]`(model, depth, hidden)`. A head at depth `d` reads the hidden state
 //!   after layers `0..d` and maps it to the final layer's hidden space; the model's own final
-//!   norm and LM head then give the logits. Kinds: identity (the logit lens) and affine (the
-//!   tuned lens); the kind field leaves room for trained MLP or block heads.
+//!   norm and LM head then give the logits. Kinds: identity (the logit lens), affine (the
+//!   tuned lens), MLP and block heads (a trained copy of a decoder layer, [`block`], with the
+//!   K/V it keeps per sequence).
 //! * [`file`]: heads stored beside the model as safetensors with JSON metadata keyed to the
 //!   model file's SHA-256 ([`fingerprint`]); a stale or mismatched file is refused.
-//! * [`ridge`] and [`calibrate`]: affine heads fitted in closed form by ridge regression over a
-//!   calibration corpus ([`corpus`]), streaming sufficient statistics in f64.
 //! * [`confidence`]: max softmax probability and top-1/top-2 margin; KL divergence.
-//! * [`study`] and [`plot`]: the exit study (agreement, confidence buckets, cumulative exit
-//!   distribution, complementarity of two models), as Markdown, JSON and PNG.
-//! * [`tune`]: EE-Tuning, exit heads (affine, MLP) trained on the frozen model against the
-//!   final layer's distribution, plus an exit probe that decides without the vocabulary head.
-//! * [`decode`], [`baseline`] and [`bench`]: per-token early exit at batch 1 with either fix
-//!   for the K/V of skipped layers (EE-LLM's recomputation, CALM's state propagation),
-//!   generation and teacher-forced scoring with it, and its benchmark.
 //!
 //! [`ExitHeads`] also implements the engine's exit seam (`switchyard_engine::ExitHead`), so the
 //! serving scheduler's fixed-depth exit can read calibrated heads.
+//!
+//! Fitting heads lives in `switchyard-exit-training` (calibration, ridge, `ee-tune`); the exit
+//! study and the per-token EE-LLM baseline in `switchyard-exit-study`. Both depend on this
+//! crate, never the other way.
 //!
 //! Architecture invariant: this crate reads models only through the layered-model contract
 //! (`embed`, `forward_layers`, `write_kv_layers`, `final_norm`, `lm_head`); it never touches
 //! weights files except to hash them.
 
-pub mod baseline;
-pub mod bench;
 pub mod block;
-pub mod calibrate;
 pub mod confidence;
-pub mod corpus;
-pub mod decode;
 mod engine_seam;
 pub mod file;
 pub mod fingerprint;
 pub mod heads;
-pub mod plot;
-pub mod ridge;
-pub mod study;
-pub mod tune;
 
 use std::path::PathBuf;
 
 pub use confidence::{ConfidenceMeasure, TokenStats};
-pub use decode::{EarlyExitDecoder, ExitPolicy, KvFix};
 pub use heads::{ExitHead, ExitHeads, HeadKind, HeadsMeta};
 
 #[derive(Debug, thiserror::Error)]
@@ -102,7 +88,7 @@ pub enum ExitsError {
 }
 
 impl ExitsError {
-    pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> ExitsError {
+    pub fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> ExitsError {
         let path = path.into();
         move |source| ExitsError::Io { path, source }
     }

@@ -27,10 +27,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use switchyard_bench::offline::Percentiles;
-use switchyard_bench::sharegpt::Sample;
-use switchyard_bench::stats::{median, percentile};
 use switchyard_engine::{EngineConfig, EngineCore, EngineHandle};
+use switchyard_eval::sharegpt::Sample;
+use switchyard_eval::stats::median;
+use switchyard_eval::stats::Percentiles;
 use switchyard_exits::ExitHeads;
 use switchyard_models::{LayeredModel, LoadOptions};
 use switchyard_request::SamplingParams;
@@ -147,8 +147,10 @@ pub fn entry_without_telemetry(name: &str) -> Result<ModelEntry> {
     };
     let model = LayeredModel::load(source, &one)?;
     let n = model.n_layers();
-    let exits =
-        switchyard_exits::calibrate::exit_depths(n, switchyard_exits::calibrate::default_every(n));
+    let exits = switchyard_exit_training::calibrate::exit_depths(
+        n,
+        switchyard_exit_training::calibrate::default_every(n),
+    );
     let r = model.resident_bytes();
     let base = (r.embedding + r.head) as u64;
     let kv_row = model.spec().kv_row_len();
@@ -445,19 +447,6 @@ fn greedy(n: usize) -> SamplingParams {
     SamplingParams {
         ignore_eos: true,
         ..SamplingParams::greedy(n.max(1))
-    }
-}
-
-fn percentiles(xs: &[f64]) -> Percentiles {
-    let mean = if xs.is_empty() {
-        f64::NAN
-    } else {
-        xs.iter().sum::<f64>() / xs.len() as f64
-    };
-    Percentiles {
-        mean,
-        p50: median(xs),
-        p99: percentile(xs, 99.0),
     }
 }
 

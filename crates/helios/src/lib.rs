@@ -50,9 +50,11 @@ pub enum HeliosError {
     Candle(#[from] candle_core::Error),
     /// Boxed, as is [`HeliosError::Zoo`]: they would double the size of every `Result`.
     #[error(transparent)]
-    Bench(Box<switchyard_bench::BenchError>),
+    Eval(Box<switchyard_eval::EvalError>),
     #[error(transparent)]
     Zoo(Box<switchyard_zoo::ZooError>),
+    #[error(transparent)]
+    Chart(#[from] switchyard_charts::ChartError),
     #[error("cannot read {path}: {source}")]
     Io {
         path: std::path::PathBuf,
@@ -85,9 +87,9 @@ pub enum HeliosError {
     Orchestrator(String),
 }
 
-impl From<switchyard_bench::BenchError> for HeliosError {
-    fn from(e: switchyard_bench::BenchError) -> Self {
-        Self::Bench(Box::new(e))
+impl From<switchyard_eval::EvalError> for HeliosError {
+    fn from(e: switchyard_eval::EvalError) -> Self {
+        Self::Eval(Box::new(e))
     }
 }
 

@@ -8,8 +8,8 @@
 
 use std::sync::Arc;
 
-use switchyard_bench::sharegpt::{Sample, SampledRequest};
 use switchyard_engine::{EngineConfig, EngineHandle, EngineRequest};
+use switchyard_eval::sharegpt::{Sample, SampledRequest};
 use switchyard_helios::bench::{
     entry_without_telemetry, run_bench_helios, BenchCandidate, HeliosBenchContext,
     HeliosBenchOptions, SystemReport,

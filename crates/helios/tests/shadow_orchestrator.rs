@@ -13,8 +13,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use switchyard_bench::sharegpt::{exchanges_of_kind, PromptKind};
 use switchyard_engine::{EngineConfig, EngineCore, EngineHandle};
+use switchyard_eval::sharegpt::{exchanges_of_kind, PromptKind};
 use switchyard_exits::ExitHeads;
 use switchyard_helios::manifest::{DepthTelemetry, ExitHeadsKind, Manifest, ModelEntry};
 use switchyard_helios::orchestrator::{CandidateEngine, HeliosPrompt, HeliosRequest, Orchestrator};

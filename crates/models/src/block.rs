@@ -10,7 +10,7 @@ use switchyard_kernels::QLinear;
 use switchyard_weights::{names, Activation, RopeStyle, WeightSource};
 
 use crate::attention::{attend, AttnShape, SeqAttn};
-use crate::model::ForwardBatch;
+use crate::batch::ForwardBatch;
 use crate::rope::RopeTable;
 use crate::{ModelError, Result};
 

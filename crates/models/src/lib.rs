@@ -7,6 +7,7 @@
 //! running later layers for positions computed earlier.
 
 pub mod attention;
+pub mod batch;
 pub mod block;
 pub mod config;
 pub mod gemma3;

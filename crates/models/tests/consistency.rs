@@ -1,7 +1,7 @@
 //! Self-consistency of the layered model on synthetic weights: cached step-by-step decoding,
 //! one-shot prefill and chunked prefill give the same logits.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -1,9 +1,7 @@
 //! Architecture math against independent implementations, on the files' exact weight values
 //! (see `common/reference.rs`). This binary runs candle's references with dequantized weights.
 
-mod common;
-
-use common::reference::check_exact_weights;
+use crate::common::reference::check_exact_weights;
 
 #[test]
 fn smollm2_exact_weights_match_quantized_llama() {

@@ -2,9 +2,7 @@
 //! `common/reference.rs`). A separate binary, because candle reads its dequantize switch from
 //! the process environment.
 
-mod common;
-
-use common::reference::check_quantized;
+use crate::common::reference::check_quantized;
 
 #[test]
 fn smollm2_quantized_kernels_match_quantized_llama() {

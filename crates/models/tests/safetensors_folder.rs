@@ -8,8 +8,6 @@
 //! permutation (interleaved rope in GGUF, rotate-half in Hugging Face), Gemma's `w` for `1 + w`
 //! norms, Qwen2's q/k/v biases, tied embeddings and the config keys.
 
-mod common;
-
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
@@ -20,7 +18,7 @@ use switchyard_models::{DenseKv, ForwardBatch, LayeredModel, LoadOptions, Weight
 use switchyard_tokenizer::{ChatMessage, Tokenizer};
 use switchyard_weights::{names, Architecture, ModelSpec, RopeStyle, WeightSource, WeightsError};
 
-use common::{argmax, error_of_range, fixed_tokens, model_path};
+use crate::common::{argmax, error_of_range, fixed_tokens, model_path};
 
 const N_TOKENS: usize = 32;
 /// max |folder - GGUF| over each position's logits, as a share of that position's logit range.

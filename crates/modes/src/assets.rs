@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use switchyard_exits::corpus::{Corpus, Split};
+use switchyard_exit_training::corpus::{Corpus, Split};
 use switchyard_exits::{file, fingerprint, ExitHeads};
 use switchyard_models::{LayeredModel, LoadOptions, QuantTarget};
 use switchyard_tokenizer::Tokenizer;

@@ -23,10 +23,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use switchyard_bench::quality::{self, McTask, Pick};
-use switchyard_bench::sharegpt;
-use switchyard_bench::stats::{median, percentile};
 use switchyard_engine::EngineRequest;
+use switchyard_eval::quality::{self, McTask, Pick};
+use switchyard_eval::sharegpt;
+use switchyard_eval::stats::{median, percentile};
 use switchyard_models::LayeredModel;
 use switchyard_request::{Mode, Precision, SamplingParams};
 use switchyard_tokenizer::Tokenizer;
@@ -897,7 +897,7 @@ impl ModesReport {
 
     /// `speedup.png`: each mode's latency speedup over f16 per workload.
     pub fn plot(&self, dir: &Path) -> Result<Vec<PathBuf>> {
-        use switchyard_exits::plot::{fonts_available, line_chart, Chart, Series};
+        use switchyard_charts::{fonts_available, line_chart, Chart, Series};
         std::fs::create_dir_all(dir)
             .map_err(|e| ModesError::Invalid(format!("{}: {e}", dir.display())))?;
         let text = fonts_available();

@@ -38,7 +38,9 @@ pub enum ModesError {
     #[error(transparent)]
     Zoo(Box<switchyard_zoo::ZooError>),
     #[error(transparent)]
-    Bench(Box<switchyard_bench::BenchError>),
+    Eval(Box<switchyard_eval::EvalError>),
+    #[error(transparent)]
+    Chart(Box<switchyard_charts::ChartError>),
     #[error("{0}")]
     Invalid(String),
 }
@@ -61,7 +63,8 @@ boxed_from!(
     Weights(switchyard_weights::WeightsError),
     Tokenizer(switchyard_tokenizer::TokenizerError),
     Zoo(switchyard_zoo::ZooError),
-    Bench(switchyard_bench::BenchError),
+    Eval(switchyard_eval::EvalError),
+    Chart(switchyard_charts::ChartError),
 );
 
 pub type Result<T> = std::result::Result<T, ModesError>;

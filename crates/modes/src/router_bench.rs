@@ -25,8 +25,8 @@ use switchyard_router::{
     RuleConfig, RulesRouter,
 };
 
-use switchyard_bench::quality::{self, McTask, Pick};
-use switchyard_bench::stats::{median, percentile};
+use switchyard_eval::quality::{self, McTask, Pick};
+use switchyard_eval::stats::{median, percentile};
 
 use crate::bench::{workloads, ModesBenchOptions, ModesReport};
 use crate::router_trace::{self, TraceClass, TraceOptions, TraceRow};

@@ -22,9 +22,9 @@ use std::time::{Duration, Instant};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rand_distr::{Distribution, Exp};
 use serde::Serialize;
-use switchyard_bench::quality::{self, McTask, Pick};
-use switchyard_bench::stats::{median, percentile};
 use switchyard_engine::{EngineHandle, EngineRequest};
+use switchyard_eval::quality::{self, McTask, Pick};
+use switchyard_eval::stats::{median, percentile};
 use switchyard_request::{Mode, SamplingParams};
 use switchyard_router::{ModeSet, Oracle, RequestFeatures, Router};
 

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use candle_core::quantized::GgmlDType;
-use switchyard_exits::corpus::{Corpus, Split};
+use switchyard_exit_training::corpus::{Corpus, Split};
 use switchyard_models::{DenseKv, ForwardBatch, LayeredModel, QuantTarget};
 use switchyard_modes::awq::{self, AwqCalibration};
 use switchyard_modes::precision::{

@@ -22,6 +22,9 @@ use crate::error::{Result, RouterError};
 use crate::features::RequestFeatures;
 use crate::rules::{Class, RuleConfig};
 
+/// The paper's quality gate: a mode may lose at most 1.5 accuracy points against f16.
+pub const MAX_ACCURACY_DROP_POINTS: f64 = 1.5;
+
 /// Default largest relative bits-per-byte increase over f16 (+5 %).
 pub const MAX_BPB_INCREASE: f64 = 0.05;
 
@@ -92,7 +95,7 @@ impl Default for Gate {
         let list = |ts: &[&str]| ts.iter().map(|t| t.to_string()).collect::<Vec<_>>();
         Gate {
             max_bpb_increase: MAX_BPB_INCREASE,
-            max_accuracy_drop_points: crate::oracle::MAX_ACCURACY_DROP_POINTS,
+            max_accuracy_drop_points: MAX_ACCURACY_DROP_POINTS,
             tasks: BTreeMap::from([
                 (CLASS_MATH.to_string(), list(&["gsm8k"])),
                 (

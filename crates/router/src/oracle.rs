@@ -12,11 +12,10 @@ use crate::decision::{Decision, ModeSet, Router};
 use crate::error::{Result, RouterError};
 use crate::features::{RequestFeatures, Shape};
 use crate::gate::{self, Gate, QualityMeasure};
+
+pub use crate::gate::MAX_ACCURACY_DROP_POINTS;
 use crate::learned::Example;
 use crate::rules::{Class, RuleConfig};
-
-/// The paper's quality gate: a mode may lose at most 1.5 accuracy points against f16.
-pub const MAX_ACCURACY_DROP_POINTS: f64 = 1.5;
 
 /// Cell of batch traffic.
 pub const CELL_BATCH: &str = "batch";

@@ -2,7 +2,7 @@
 //! (training is deterministic), a floor the imitation must clear, and the edge cases of
 //! training.
 
-mod common;
+use crate::common;
 
 use switchyard_router::{
     Constraints, Example, LearnedKind, LearnedRouter, Mode, ModeSet, Oracle, RequestFeatures,

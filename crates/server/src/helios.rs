@@ -3,7 +3,6 @@
 //! remote one streaming from its server, and requests turned into orchestrator requests (text
 //! or chat, tokenized by whichever candidate serves them).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use switchyard_engine::{EngineConfig, EngineCore, EngineHandle};
@@ -16,6 +15,10 @@ use switchyard_tokenizer::Tokenizer;
 
 use crate::config::HeliosSection;
 use crate::error::ApiError;
+use crate::serving::{
+    before_deadline, helios_api_error, response_id, Admitted, Backend, Generation, Outputs, Places,
+    Started,
+};
 use crate::validate::{Prompt, ValidRequest};
 use crate::ServerError;
 
@@ -25,18 +28,7 @@ pub struct HeliosModel {
     pub engines: Vec<EngineHandle>,
     /// The smallest context of the candidates: a request must fit whichever serves it.
     pub context_length: usize,
-    in_flight: AtomicUsize,
-}
-
-/// Counts a request as in flight until dropped.
-pub struct HeliosAdmission {
-    model: Arc<HeliosModel>,
-}
-
-impl Drop for HeliosAdmission {
-    fn drop(&mut self) {
-        self.model.in_flight.fetch_sub(1, Ordering::SeqCst);
-    }
+    in_flight: Places,
 }
 
 fn helios_err(e: switchyard_helios::HeliosError) -> ServerError {
@@ -112,24 +104,12 @@ impl HeliosModel {
             orchestrator,
             engines: handles,
             context_length,
-            in_flight: AtomicUsize::new(0),
+            in_flight: Places::default(),
         })
     }
 
     pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::SeqCst)
-    }
-
-    /// Reserves a place, or says the server is at capacity (429).
-    pub fn admit(self: &Arc<Self>, limit: usize) -> Result<HeliosAdmission, ApiError> {
-        let prev = self.in_flight.fetch_add(1, Ordering::SeqCst);
-        if prev >= limit {
-            self.in_flight.fetch_sub(1, Ordering::SeqCst);
-            return Err(ApiError::Overloaded(prev));
-        }
-        Ok(HeliosAdmission {
-            model: Arc::clone(self),
-        })
+        self.in_flight.in_flight()
     }
 
     /// The orchestrator's request. Whatever names token ids (token-id prompts,
@@ -180,5 +160,50 @@ fn backend(name: &str, e: impl std::fmt::Display) -> ServerError {
     ServerError::Backend {
         name: name.to_string(),
         detail: e.to_string(),
+    }
+}
+
+impl Backend for HeliosModel {
+    /// The answer starts once the first output is in, so that the `x-switchyard-served-by`
+    /// header can name the candidate serving it (the orchestrator picks it when the request
+    /// reaches the front of its queue); an error before that is a plain error response.
+    fn places(&self) -> &Places {
+        &self.in_flight
+    }
+
+    async fn start(self: &Arc<Self>, a: Admitted<'_>) -> Result<Started, ApiError> {
+        let (admission, req, ctx) = (a.place, a.req, a.ctx);
+        let hreq = self.prepare(&req)?;
+        let mut stream = self
+            .orchestrator
+            .submit(hreq)
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        let first = before_deadline(
+            ctx.metrics,
+            ctx.timeout_s,
+            &self.name,
+            ctx.deadline,
+            async {
+                match stream.next().await {
+                    Some(o) => o.map_err(helios_api_error),
+                    None => Err(ApiError::ShuttingDown),
+                }
+            },
+        )
+        .await?;
+        let id = response_id(req.endpoint, format!("h{}", first.output.id));
+        let served_by = first.model.to_string();
+        let g = Generation::new(
+            req,
+            self.name.clone(),
+            id,
+            Outputs::Helios(stream),
+            ctx.deadline,
+        );
+        Ok(Started::Generated(Box::new(
+            g.with_pending(first.output)
+                .with_header("x-switchyard-served-by", served_by)
+                .holding(admission),
+        )))
     }
 }

@@ -1,7 +1,6 @@
 //! A model served by a local engine: start-up, request preparation (tokenizing, context
 //! checks), admission, and turning engine outputs into OpenAI responses and stream chunks.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use switchyard_engine::{EngineConfig, EngineHandle, EngineInfo, EngineRequest, RequestOutput};
@@ -12,6 +11,9 @@ use tokio::sync::Semaphore;
 
 use crate::config::ModelSection;
 use crate::error::ApiError;
+use crate::serving::{
+    response_id, Admitted, Backend, Choices, Generation, Outputs, Places, Started,
+};
 use crate::validate::{Prompt, ValidRequest};
 use crate::ServerError;
 
@@ -19,18 +21,8 @@ pub struct LocalModel {
     pub name: String,
     pub handle: EngineHandle,
     pub info: EngineInfo,
-    in_flight: AtomicUsize,
-}
-
-/// Counts a request as in flight until dropped.
-pub struct Admission {
-    model: Arc<LocalModel>,
-}
-
-impl Drop for Admission {
-    fn drop(&mut self) {
-        self.model.in_flight.fetch_sub(1, Ordering::SeqCst);
-    }
+    /// Requests admitted and not answered yet.
+    pub(crate) in_flight: Places,
 }
 
 impl LocalModel {
@@ -67,7 +59,7 @@ impl LocalModel {
             name: section.name.clone(),
             handle,
             info,
-            in_flight: AtomicUsize::new(0),
+            in_flight: Places::default(),
         })
     }
 
@@ -78,24 +70,12 @@ impl LocalModel {
             name: name.to_string(),
             handle,
             info,
-            in_flight: AtomicUsize::new(0),
+            in_flight: Places::default(),
         }
     }
 
     pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::SeqCst)
-    }
-
-    /// Reserves a place, or says the server is at capacity (429).
-    pub fn admit(self: &Arc<Self>, limit: usize) -> Result<Admission, ApiError> {
-        let prev = self.in_flight.fetch_add(1, Ordering::SeqCst);
-        if prev >= limit {
-            self.in_flight.fetch_sub(1, Ordering::SeqCst);
-            return Err(ApiError::Overloaded(prev));
-        }
-        Ok(Admission {
-            model: Arc::clone(self),
-        })
+        self.in_flight.in_flight()
     }
 
     /// Tokenizes the prompt (chat template for chat), fills in `max_tokens`, and checks that
@@ -223,11 +203,6 @@ impl LocalModel {
         let m = Arc::clone(self);
         on_blocking_pool(places, move || m.prepare(&req).map(|e| (req, e))).await?
     }
-
-    /// Text of one token for log-probability listings.
-    pub fn piece(&self, id: u32) -> String {
-        self.info.tokenizer.decode(&[id], false).unwrap_or_default()
-    }
 }
 
 /// Runs `work` on the blocking pool once one of `places` is free: rendering a chat template
@@ -284,5 +259,39 @@ impl Finished {
     pub fn tpot_s(&self) -> Option<f64> {
         let ttft = self.ttft_s?;
         (self.output_tokens > 1).then(|| (self.e2e_s - ttft) / (self.output_tokens - 1) as f64)
+    }
+}
+
+impl Backend for LocalModel {
+    fn places(&self) -> &Places {
+        &self.in_flight
+    }
+
+    async fn start(self: &Arc<Self>, a: Admitted<'_>) -> Result<Started, ApiError> {
+        let (admission, req, ctx) = (a.place, a.req, a.ctx);
+        let (req, engine_req) = self.prepare_blocking(req, ctx.tokenizing).await?;
+        let g = self.generate(req, engine_req, ctx.deadline)?;
+        Ok(Started::Generated(Box::new(g.holding(admission))))
+    }
+}
+
+impl LocalModel {
+    /// Starts a prepared request's choices on this engine.
+    pub(crate) fn generate(
+        self: &Arc<Self>,
+        req: ValidRequest,
+        engine_req: EngineRequest,
+        deadline: tokio::time::Instant,
+    ) -> Result<Generation, ApiError> {
+        let choices = Choices::start(&self.handle, engine_req, req.n)?;
+        let id = response_id(req.endpoint, choices.id);
+        let g = Generation::new(
+            req,
+            self.name.clone(),
+            id,
+            Outputs::Engine(choices),
+            deadline,
+        );
+        Ok(g.with_vocabulary(Arc::clone(&self.info.tokenizer)))
     }
 }

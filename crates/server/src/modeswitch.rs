@@ -25,7 +25,7 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -44,6 +44,7 @@ use tokio::sync::{watch, OnceCell, Semaphore};
 use crate::config::{ModeSwitchSection, DEFAULT_LOAD_WAIT_S};
 use crate::error::ApiError;
 use crate::local::{on_blocking_pool, LocalModel};
+use crate::serving::{Admitted, Backend, Places, Started};
 use crate::validate::ValidRequest;
 use crate::ServerError;
 
@@ -160,7 +161,7 @@ pub struct ModeSwitchModel {
     gptq: OnceCell<Arc<GptqCalibration>>,
     prefixes: Mutex<PrefixIndex>,
     recent: Mutex<VecDeque<RouteRecord>>,
-    in_flight: AtomicUsize,
+    in_flight: Places,
     /// Last memory pressure read from the f16 engine (f64 bits).
     last_pressure: std::sync::atomic::AtomicU64,
 }
@@ -278,13 +279,13 @@ impl ModeSwitchModel {
             gptq: OnceCell::new(),
             prefixes: Mutex::default(),
             recent: Mutex::default(),
-            in_flight: AtomicUsize::new(0),
+            in_flight: Places::default(),
             last_pressure: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
     pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::SeqCst)
+        self.in_flight.in_flight()
     }
 
     /// The most recent decisions, newest last.
@@ -560,24 +561,62 @@ impl ModeSwitchModel {
             Arc::clone(&self.assets.tokenizer),
         )
     }
-
-    /// Reserves a place for a request before it is tokenized and routed, or says the model
-    /// is at capacity (429). The place is kept until the returned guard drops.
-    pub fn admit(self: &Arc<Self>, limit: usize) -> Result<InFlight, ApiError> {
-        let prev = self.in_flight.fetch_add(1, Ordering::SeqCst);
-        if prev >= limit {
-            self.in_flight.fetch_sub(1, Ordering::SeqCst);
-            return Err(ApiError::Overloaded(prev));
-        }
-        Ok(InFlight(Arc::clone(self)))
-    }
 }
 
-pub struct InFlight(Arc<ModeSwitchModel>);
+impl Backend for ModeSwitchModel {
+    /// Tokenized and routed here; then the routed mode's engine serves it as a local model's
+    /// request, with the mode and the decision's reasons in `x-switchyard-mode` and
+    /// `x-switchyard-route`.
+    fn places(&self) -> &Places {
+        &self.in_flight
+    }
 
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    async fn start(self: &Arc<Self>, a: Admitted<'_>) -> Result<Started, ApiError> {
+        let (place, req, ctx) = (a.place, a.req, a.ctx);
+        let limit = ctx.max_in_flight;
+        let name = req.model.clone();
+        let (req, engine_req, prefixes) = self.prepare(req, ctx.tokenizing).await?;
+        let workload = ctx
+            .headers
+            .get("x-switchyard-workload")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let routed = self.route(&engine_req, &prefixes, workload).await;
+        let r = &routed.record;
+        ctx.metrics
+            .route_decisions
+            .with_label_values(&[
+                name.as_str(),
+                r.mode.name(),
+                r.rule.as_str(),
+                if r.fallback { "true" } else { "false" },
+            ])
+            .inc();
+        ctx.metrics
+            .route_seconds
+            .with_label_values(&[&name])
+            .inc_by(r.decision_us / 1e6);
+        let engine_place = routed.model.in_flight.admit(limit)?;
+        let route = format!(
+            "rule={}; class={}; fallback={}; prompt_tokens={}; max_tokens={}; shared_prefix_tokens={}; memory_pressure={:.2}; queue_depth={}; workload={}",
+            r.rule,
+            r.class,
+            r.fallback,
+            r.features.prompt_tokens,
+            r.features.max_output_tokens,
+            r.features.shared_prefix_tokens,
+            r.features.memory_pressure,
+            r.features.queue_depth,
+            r.features.workload.as_deref().unwrap_or("-"),
+        );
+        let mode = r.mode.name().to_string();
+        let g = routed.model.generate(req, engine_req, ctx.deadline)?;
+        Ok(Started::Generated(Box::new(
+            g.holding(engine_place)
+                .holding(place)
+                .with_header("x-switchyard-mode", mode)
+                .with_header("x-switchyard-route", route),
+        )))
     }
 }
 

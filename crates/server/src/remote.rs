@@ -17,6 +17,7 @@ use futures::StreamExt;
 
 use crate::config::{BackendSection, DEFAULT_HEALTH_INTERVAL_S, DEFAULT_REQUEST_TIMEOUT_S};
 use crate::error::ApiError;
+use crate::serving::{Admitted, Backend, Place, Places, Started};
 use crate::validate::ValidRequest;
 
 /// Time allowed to open a connection to a backend.
@@ -84,20 +85,9 @@ pub struct RemoteModel {
     client: reqwest::Client,
     health_interval: Duration,
     timeout_s: u64,
-    in_flight: AtomicUsize,
+    in_flight: Places,
     /// Rotates the choice among equally loaded replicas.
     turn: AtomicUsize,
-}
-
-/// Counts a forwarded request as in flight until dropped.
-pub struct RemoteAdmission {
-    model: Arc<RemoteModel>,
-}
-
-impl Drop for RemoteAdmission {
-    fn drop(&mut self) {
-        self.model.in_flight.fetch_sub(1, Ordering::SeqCst);
-    }
 }
 
 /// A replica's state, for `/admin/stats`.
@@ -141,7 +131,7 @@ impl RemoteModel {
                     .unwrap_or(DEFAULT_HEALTH_INTERVAL_S),
             ),
             timeout_s,
-            in_flight: AtomicUsize::new(0),
+            in_flight: Places::default(),
             turn: AtomicUsize::new(0),
         })
     }
@@ -154,7 +144,7 @@ impl RemoteModel {
     }
 
     pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::SeqCst)
+        self.in_flight.in_flight()
     }
 
     pub fn replicas(&self) -> Vec<ReplicaStatus> {
@@ -166,17 +156,6 @@ impl RemoteModel {
                 in_flight: r.in_flight.load(Ordering::SeqCst),
             })
             .collect()
-    }
-
-    pub fn admit(self: &Arc<Self>, limit: usize) -> Result<RemoteAdmission, ApiError> {
-        let prev = self.in_flight.fetch_add(1, Ordering::SeqCst);
-        if prev >= limit {
-            self.in_flight.fetch_sub(1, Ordering::SeqCst);
-            return Err(ApiError::Overloaded(prev));
-        }
-        Ok(RemoteAdmission {
-            model: Arc::clone(self),
-        })
     }
 
     fn unavailable(&self, detail: impl Into<String>) -> ApiError {
@@ -255,7 +234,7 @@ impl RemoteModel {
         self: &Arc<Self>,
         req: &ValidRequest,
         body: &[u8],
-        admission: RemoteAdmission,
+        admission: Place,
     ) -> Result<Response, ApiError> {
         let mut body: serde_json::Value = serde_json::from_slice(body)
             .map_err(|e| ApiError::Malformed(format!("the request body is not valid JSON: {e}")))?;
@@ -369,7 +348,7 @@ struct Relay {
     inner: futures::stream::BoxStream<'static, reqwest::Result<axum::body::Bytes>>,
     partial: Vec<u8>,
     load: ReplicaLoad,
-    _admission: RemoteAdmission,
+    _admission: Place,
 }
 
 /// The replica's events relayed unchanged, whole events at a time. When the replica fails
@@ -378,7 +357,7 @@ struct Relay {
 /// `[DONE]`; the replica is marked down.
 fn relay_events(
     resp: reqwest::Response,
-    admission: RemoteAdmission,
+    admission: Place,
     load: ReplicaLoad,
 ) -> impl futures::Stream<Item = Result<axum::body::Bytes, std::convert::Infallible>> {
     let relay = Relay {
@@ -418,6 +397,18 @@ fn relay_events(
             }
         }
     })
+}
+
+impl Backend for RemoteModel {
+    fn places(&self) -> &Places {
+        &self.in_flight
+    }
+
+    async fn start(self: &Arc<Self>, a: Admitted<'_>) -> Result<Started, ApiError> {
+        let (admission, req, ctx) = (a.place, a.req, a.ctx);
+        let resp = self.forward(&req, &ctx.body, admission).await?;
+        Ok(Started::Relayed(resp))
+    }
 }
 
 #[cfg(test)]

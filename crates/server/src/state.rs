@@ -7,11 +7,14 @@ use std::sync::Arc;
 use tokio::sync::Semaphore;
 
 use crate::config::ServerSection;
+use crate::error::ApiError;
 use crate::helios::HeliosModel;
 use crate::local::LocalModel;
 use crate::metrics::Metrics;
 use crate::modeswitch::ModeSwitchModel;
 use crate::remote::RemoteModel;
+use crate::serving::{Backend, RequestContext, Started};
+use crate::validate::ValidRequest;
 
 #[derive(Clone)]
 pub enum Served {
@@ -44,6 +47,22 @@ impl AppState {
             metrics: Metrics::new(),
             shutting_down: AtomicBool::new(false),
             tokenizing: Arc::new(Semaphore::new(cores)),
+        }
+    }
+}
+
+impl Served {
+    /// [`Backend::admit_and_start`] on whichever backend serves this model.
+    pub(crate) async fn start(
+        &self,
+        req: ValidRequest,
+        ctx: &RequestContext<'_>,
+    ) -> Result<Started, ApiError> {
+        match self {
+            Served::Local(m) => m.admit_and_start(req, ctx).await,
+            Served::Modes(m) => m.admit_and_start(req, ctx).await,
+            Served::Remote(m) => m.admit_and_start(req, ctx).await,
+            Served::Helios(m) => m.admit_and_start(req, ctx).await,
         }
     }
 }

@@ -6,9 +6,9 @@
 //! by the chosen candidate, and the sampled prompts' scores show at `/admin/stats` and
 //! `/metrics`.
 
-mod common;
+use crate::common;
 
-use common::{post, served_by, start, HELIOS_LOCAL_ENTRY, MODEL};
+use crate::common::{post, served_by, start, HELIOS_LOCAL_ENTRY, MODEL};
 use serde_json::{json, Value};
 
 const JSON: &str = "application/json";

@@ -7,9 +7,9 @@
 //! (the request that found it gone is served by the other candidate), and is served again once
 //! its health check passes.
 
-mod common;
+use crate::common;
 
-use common::{post, served_by, start, start_detached, HELIOS_LOCAL_ENTRY, MODEL};
+use crate::common::{post, served_by, start, start_detached, HELIOS_LOCAL_ENTRY, MODEL};
 use serde_json::{json, Value};
 
 const JSON: &str = "application/json";

@@ -2,12 +2,10 @@
 //! tiny random model (see `common::synthetic`) and checks that the attack is refused or cut
 //! off within a bound while `/health` keeps answering.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::synthetic;
+use crate::common::synthetic;
 use switchyard_engine::{DecodedToken, EngineHandle, EngineInfo, EngineRequest, SequentialDecoder};
 use switchyard_request::{FinishReason, Mode};
 use switchyard_server::config::Config;

@@ -2,11 +2,11 @@
 //! requests, authentication, streaming, disconnects, overload, timeouts, metrics, and a remote
 //! backend relaying a second instance.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 
-use common::{post, start, MODEL};
+use crate::common::{post, start, MODEL};
 use futures::StreamExt;
 use serde_json::{json, Value};
 

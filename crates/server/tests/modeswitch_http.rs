@@ -6,11 +6,11 @@
 //! drafting for itself; Qwen2.5-Coder 0.5B drafting for 1.5B) with the f16 engine's greedy
 //! text and log-probabilities.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 
-use common::{start, MODEL};
+use crate::common::{start, MODEL};
 use serde_json::{json, Value};
 use switchyard_request::{Precision, SamplingParams};
 use switchyard_tokenizer::Tokenizer;

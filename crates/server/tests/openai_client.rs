@@ -2,12 +2,10 @@
 //! client's text-format parser; structured outputs and tool calls through the official client
 //! and LangChain's `ChatOpenAI` (all installed into a cached virtualenv on first use).
 
-mod common;
-
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::{start, MODEL};
+use crate::common::{start, MODEL};
 
 /// Pinned versions of the Python clients the test drives.
 const CLIENTS: &[&str] = &[

@@ -4,9 +4,9 @@
 //! and `/detokenize`. Every check is a number: exact token ids, or log-probabilities within
 //! 1e-4 of a transformation computed from the server's own unbiased output.
 
-mod common;
+use crate::common;
 
-use common::{post, sse_data, start, MODEL};
+use crate::common::{post, sse_data, start, MODEL};
 use serde_json::{json, Value};
 
 const JSON: &str = "application/json";

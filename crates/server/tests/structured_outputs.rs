@@ -3,9 +3,9 @@
 //! by constrained decoding. Every output is checked by an independent validator (the
 //! `jsonschema` crate, the `regex` syntax of the guide, exact set membership).
 
-mod common;
+use crate::common;
 
-use common::{post, sse_data, start};
+use crate::common::{post, sse_data, start};
 use futures::future::join_all;
 use serde_json::{json, Value};
 

@@ -3,9 +3,9 @@
 //! call), the `tool` turn rendered in the history and a final answer after it; a model whose
 //! template has no tools gets a 400.
 
-mod common;
+use crate::common;
 
-use common::{post, sse_data, start};
+use crate::common::{post, sse_data, start};
 use serde_json::{json, Value};
 
 const JSON: &str = "application/json";

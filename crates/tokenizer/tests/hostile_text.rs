@@ -3,14 +3,12 @@
 //! markup encodes and decodes back to itself byte for byte; any ids decode or are refused,
 //! never a panic.
 
-mod common;
-
 use std::sync::OnceLock;
 
 use proptest::prelude::*;
 use switchyard_tokenizer::Tokenizer;
 
-use common::load_tokenizer;
+use crate::common::load_tokenizer;
 
 /// Per tokenizer, whether each byte value has a token of its own.
 fn byte_tokens() -> &'static [[bool; 256]; 2] {

@@ -2,13 +2,13 @@
 //! Expected ids were produced once with llama.cpp (llama-cpp-python 0.3.36, `vocab_only`); chat
 //! references with jinja2 3.1.6 under Hugging Face's settings (`trim_blocks`, `lstrip_blocks`).
 
-mod common;
+use crate::common;
 
 use std::sync::OnceLock;
 
 use switchyard_tokenizer::Tokenizer;
 
-use common::*;
+use crate::common::*;
 
 const MODEL: &str = "qwen2.5-coder-0.5b-instruct";
 

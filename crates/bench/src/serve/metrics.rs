@@ -8,8 +8,8 @@ use serde::ser::SerializeMap;
 use serde::Serialize;
 
 use super::client::{RequestRecord, TokenSource};
-use crate::stats::{median, percentile};
 use crate::{BenchError, Result};
+use switchyard_eval::stats::{median, percentile};
 
 /// The percentiles reported for every latency (vLLM reports 99 by default; 90 is the other
 /// one published figures quote).

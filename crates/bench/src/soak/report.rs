@@ -12,8 +12,8 @@ use super::{
     RECOVERY_BUCKET_S, RECOVERY_RATIO,
 };
 use crate::serve::Endpoint;
-use crate::stats::percentile;
 use crate::{BenchError, Result};
+use switchyard_eval::stats::percentile;
 
 /// Most points of the resident-memory line in the plot (a run of an hour has 3,600 samples).
 const PLOT_POINTS: usize = 720;

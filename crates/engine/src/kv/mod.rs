@@ -26,9 +26,9 @@ pub mod rerun;
 
 pub use budget::{activation_bytes, parse_bytes, BudgetPlan, MemoryBudget, Usage};
 pub use format::{BlockLayout, KvFormat};
-pub use paged::{BlockRef, PagedKv, Sharing};
+pub use paged::{BlockHash, BlockRef, PagedKv, SharedBlocks, Sharing};
 pub use pool::{Block, BlockData, BlockId, BlockPool, Int8Block, BLOCK_TOKENS};
-pub use prefix::{BlockHash, PrefixCache};
+pub use prefix::PrefixCache;
 pub use rerun::RerunKv;
 
 /// What can go wrong in the KV cache and its memory budget.

@@ -17,8 +17,27 @@ use switchyard_models::{KvChunk, SeqKv};
 
 use super::format::BlockLayout;
 use super::pool::{Block, BlockData, BlockId, BlockPool};
-use super::prefix::{BlockHash, PrefixCache};
 use super::KvError;
+
+/// One link of the prefix cache's hash chain: with a serial, it names a shared block's entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockHash(pub u64);
+
+/// Where a sequence's shared blocks go when it lets go of them: the prefix cache, which
+/// implements this. A trait, so that the block table does not depend on the cache that
+/// shares blocks into it.
+pub trait SharedBlocks {
+    /// The sequence drops its reference to `block`, shared as entry (`hash`, `serial`) of
+    /// `layer`; a block nobody holds any more returns to `pool`.
+    fn unref(
+        &mut self,
+        layer: usize,
+        hash: BlockHash,
+        serial: u64,
+        block: Arc<Block>,
+        pool: &mut BlockPool,
+    );
+}
 
 /// One entry of a block table.
 pub(super) enum Slot {
@@ -204,7 +223,7 @@ impl PagedKv {
     /// Returns every owned block to `pool` and drops this sequence's references to shared
     /// ones (a shared block the cache no longer holds goes back to the pool with its last
     /// reference). The sequence is empty afterwards and can be reused.
-    pub fn release(&mut self, pool: &mut BlockPool, cache: &mut PrefixCache) {
+    pub fn release(&mut self, pool: &mut BlockPool, cache: &mut impl SharedBlocks) {
         let n = self.tables.len();
         self.release_layers(pool, cache, 0..n);
     }
@@ -214,7 +233,7 @@ impl PagedKv {
     pub fn release_layers(
         &mut self,
         pool: &mut BlockPool,
-        cache: &mut PrefixCache,
+        cache: &mut impl SharedBlocks,
         layers: Range<usize>,
     ) {
         let _span = tracing::trace_span!("kv_release").entered();
@@ -471,6 +490,15 @@ mod tests {
 
     const ROW: usize = 3;
 
+    /// These tests share no block, so nothing comes back through the cache.
+    struct NoCache;
+
+    impl SharedBlocks for NoCache {
+        fn unref(&mut self, _: usize, _: BlockHash, _: u64, _: Arc<Block>, _: &mut BlockPool) {
+            panic!("no block of these tests is shared");
+        }
+    }
+
     /// Distinct values for position `p` of `layer`: K = 1000 l + 10 p + c, V negated.
     fn rows(layer: usize, range: Range<usize>) -> (Vec<f32>, Vec<f32>) {
         let k: Vec<f32> = range
@@ -490,7 +518,7 @@ mod tests {
     #[test]
     fn reserve_is_all_or_nothing() {
         let mut pool = BlockPool::new(ROW, BLOCK_TOKENS, 5);
-        let mut cache = PrefixCache::new(BLOCK_TOKENS);
+        let mut cache = NoCache;
         let mut kv = PagedKv::for_pool(&pool, 4);
         // 33 positions = 3 blocks per layer; 2 layers = 6 > 5 free.
         assert_eq!(kv.blocks_needed(0..2, 33), 6);
@@ -530,7 +558,7 @@ mod tests {
     #[test]
     fn write_and_chunks_round_trip_across_blocks() {
         let mut pool = BlockPool::new(ROW, BLOCK_TOKENS, 8);
-        let mut cache = PrefixCache::new(BLOCK_TOKENS);
+        let mut cache = NoCache;
         let mut kv = PagedKv::for_pool(&pool, 2);
         kv.reserve(&mut pool, 0..2, 45).expect("reserve");
         assert_eq!(pool.used_blocks(), 6);
@@ -573,7 +601,7 @@ mod tests {
     #[test]
     fn writes_outside_the_reservation_are_errors() {
         let mut pool = BlockPool::new(ROW, BLOCK_TOKENS, 2);
-        let mut cache = PrefixCache::new(BLOCK_TOKENS);
+        let mut cache = NoCache;
         let mut kv = PagedKv::for_pool(&pool, 2);
         let (k, v) = rows(0, 0..20);
         // Nothing reserved yet.
@@ -627,7 +655,7 @@ mod tests {
     #[test]
     fn truncate_then_rewrite() {
         let mut pool = BlockPool::new(ROW, BLOCK_TOKENS, 4);
-        let mut cache = PrefixCache::new(BLOCK_TOKENS);
+        let mut cache = NoCache;
         let mut kv = PagedKv::for_pool(&pool, 2);
         kv.reserve(&mut pool, 0..2, 30).expect("reserve");
         for l in 0..2 {
@@ -655,7 +683,7 @@ mod tests {
     #[test]
     fn release_returns_every_block() {
         let mut pool = BlockPool::new(ROW, BLOCK_TOKENS, 20);
-        let mut cache = PrefixCache::new(BLOCK_TOKENS);
+        let mut cache = NoCache;
         let mut a = PagedKv::for_pool(&pool, 3);
         let mut b = PagedKv::for_pool(&pool, 3);
         a.reserve(&mut pool, 0..3, 40).expect("reserve");
@@ -703,7 +731,7 @@ mod tests {
         const HEADS: usize = 2;
         let layout = BlockLayout::new(HD * HEADS, HD, BLOCK_TOKENS, KvFormat::Int8);
         let mut pool = BlockPool::with_layout(layout, 8);
-        let mut cache = PrefixCache::new(BLOCK_TOKENS);
+        let mut cache = NoCache;
         let mut kv = PagedKv::for_pool(&pool, 2);
         assert_eq!(kv.layout(), layout);
         kv.reserve(&mut pool, 0..2, 45).expect("reserve");

@@ -17,13 +17,9 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::paged::{PagedKv, Slot};
+use super::paged::{BlockHash, PagedKv, SharedBlocks, Slot};
 use super::pool::{Block, BlockId, BlockPool};
 use super::KvError;
-
-/// One link of the hash chain.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BlockHash(pub u64);
 
 /// `h_{-1}`: the chain's fixed root ("SWITCHYD").
 const ROOT: BlockHash = BlockHash(0x5357_4954_4348_5944);
@@ -396,10 +392,23 @@ impl PrefixCache {
         }
     }
 
+    fn tick(&mut self) -> u64 {
+        let t = self.clock;
+        self.clock += 1;
+        t
+    }
+
+    /// Full blocks of `tokens` that may be reused: all but the one holding the last token.
+    fn max_reusable(&self, tokens: &[u32]) -> usize {
+        tokens.len().saturating_sub(1) / self.block_tokens
+    }
+}
+
+impl SharedBlocks for PrefixCache {
     /// A sequence lets go of a shared block: the entry, if it is still this block's, becomes
     /// the most recently used; a block the cache no longer holds returns to `pool` with its
     /// last reference.
-    pub(super) fn unref(
+    fn unref(
         &mut self,
         layer: usize,
         hash: BlockHash,
@@ -423,17 +432,6 @@ impl PrefixCache {
                 }
             }
         }
-    }
-
-    fn tick(&mut self) -> u64 {
-        let t = self.clock;
-        self.clock += 1;
-        t
-    }
-
-    /// Full blocks of `tokens` that may be reused: all but the one holding the last token.
-    fn max_reusable(&self, tokens: &[u32]) -> usize {
-        tokens.len().saturating_sub(1) / self.block_tokens
     }
 }
 

@@ -4,7 +4,7 @@
 //! The trace has three phases: English prose from ShareGPT first exchanges, then code, then
 //! prose again. The code phase is HumanEval by default (each problem's prompt to complete,
 //! its canonical solution as the reference answer), or ShareGPT prompts carrying code
-//! ([`switchyard_bench::sharegpt::prompt_kind`] tells them apart). Requests arrive by a
+//! ([`switchyard_eval::sharegpt::prompt_kind`] tells them apart). Requests arrive by a
 //! Poisson process at a fixed rate (a seeded exponential gap between arrivals), the same
 //! times for every system.
 //!
@@ -22,8 +22,8 @@ use std::path::{Path, PathBuf};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Exp};
 use serde::Serialize;
-use switchyard_bench::quality::{load_humaneval, run_tests, HumanEvalItem, Isolation, Pick};
-use switchyard_bench::sharegpt::{exchanges_of_kind, PromptKind};
+use switchyard_eval::quality::{load_humaneval, run_tests, HumanEvalItem, Isolation, Pick};
+use switchyard_eval::sharegpt::{exchanges_of_kind, PromptKind};
 
 use super::systems::{run_helios, run_vanilla};
 use super::{
@@ -683,7 +683,7 @@ impl DriftReport {
     /// `served.png`: which model and depth served each request, per HELIOS run, with the
     /// phase boundaries.
     pub fn plot(&self, dir: &Path) -> Result<Vec<PathBuf>> {
-        use switchyard_exits::plot::{fonts_available, line_chart, Chart, Series};
+        use switchyard_charts::{fonts_available, line_chart, Chart, Series};
         std::fs::create_dir_all(dir).map_err(|source| HeliosError::Io {
             path: dir.to_path_buf(),
             source,

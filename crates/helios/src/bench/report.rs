@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use switchyard_exits::plot::{fonts_available, line_chart, Chart, Series};
+use switchyard_charts::{fonts_available, line_chart, Chart, Series};
 
 use super::{AblationRow, HeliosBenchReport, RequestRecord};
 use crate::{HeliosError, Result};

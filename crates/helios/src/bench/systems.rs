@@ -8,12 +8,14 @@ use std::time::Instant;
 use switchyard_engine::{
     Completion, EngineConfig, EngineHandle, EngineRequest, EngineStats, RequestStream,
 };
-use switchyard_exits::baseline::{generate_early_exit, EeContext};
-use switchyard_exits::{ConfidenceMeasure, ExitPolicy, KvFix};
+use switchyard_eval::stats::Percentiles;
+use switchyard_exit_study::baseline::{generate_early_exit, EeContext};
+use switchyard_exit_study::{ExitPolicy, KvFix};
+use switchyard_exits::ConfidenceMeasure;
 
 use super::{
-    greedy, percentiles, secs, BenchCandidate, Decisions, DepthCount, HeliosBenchContext,
-    HeliosBenchOptions, Job, RequestRecord, SystemReport, POLL, STATS_EVERY, WARM_UP,
+    greedy, secs, BenchCandidate, Decisions, DepthCount, HeliosBenchContext, HeliosBenchOptions,
+    Job, RequestRecord, SystemReport, POLL, STATS_EVERY, WARM_UP,
 };
 use crate::orchestrator::{
     CandidateEngine, HeliosOutput, HeliosPrompt, HeliosRequest, HeliosStream, Orchestrator,
@@ -441,9 +443,9 @@ fn system_report(
         output_tokens,
         duration_s: duration,
         output_tokens_per_s: output_tokens as f64 / duration,
-        ttft_s: percentiles(&col(|r| r.ttft_s)),
-        tpot_s: percentiles(&col(|r| r.tpot_s)),
-        latency_s: percentiles(&col(|r| Some(r.latency_s))),
+        ttft_s: Percentiles::of(&col(|r| r.ttft_s)),
+        tpot_s: Percentiles::of(&col(|r| r.tpot_s)),
+        latency_s: Percentiles::of(&col(|r| Some(r.latency_s))),
         tokens_at_earliest_exit: at_earliest,
         tokens_at_full_depth: at_full,
         earliest_exit_share: share(at_earliest),

@@ -1,0 +1,6 @@
+//! Integration tests of `switchyard-cli`, one binary: each file is a module, so the suite links
+//! and starts once per crate instead of once per file.
+
+mod common;
+mod serve_processes;
+mod serve_signal;
