@@ -522,6 +522,15 @@ fn big_asset(content: &[u8]) -> &'static Asset {
     )
 }
 
+/// The libtest name of [`child_pull`]: its module path without the crate (the test binary
+/// holds each file of `tests/` as a module).
+fn child_pull_name() -> String {
+    match module_path!().split_once("::") {
+        Some((_, module)) => format!("{module}::child_pull"),
+        None => "child_pull".to_owned(),
+    }
+}
+
 /// Run by [`a_pull_killed_with_sigkill_is_redone_and_verified`] in a child process (the test
 /// binary again), which it kills; ignored otherwise.
 #[test]
@@ -544,7 +553,7 @@ fn child_pull() -> anyhow::Result<()> {
 fn kill_pull_when(index: &Path, home: &Path, ready: impl Fn() -> bool) -> anyhow::Result<bool> {
     use std::os::unix::process::CommandExt;
     let mut child = std::process::Command::new(std::env::current_exe()?)
-        .args(["--exact", "child_pull", "--ignored", "--quiet"])
+        .args(["--exact", &child_pull_name(), "--ignored", "--quiet"])
         .env(KILL_INDEX_ENV, index)
         .env(KILL_HOME_ENV, home)
         .stdout(std::process::Stdio::null())
