@@ -135,10 +135,7 @@ fn time_head(model: &LayeredModel) -> Result<f64> {
 /// The first `n` tokens of the benchmark text (repeated if it is shorter).
 pub fn prompt_tokens(tokenizer: &Tokenizer, n: usize) -> Result<Vec<u32>> {
     let path = switchyard_zoo::ensure(PROMPT_DATASET)?;
-    let text = std::fs::read(&path).map_err(|source| BenchError::Io {
-        path: path.clone(),
-        source,
-    })?;
+    let text = std::fs::read(&path).map_err(|source| BenchError::io(&path, source))?;
     let text = String::from_utf8_lossy(&text);
     let ids = tokenizer.encode(&text, true, false)?;
     if ids.is_empty() {

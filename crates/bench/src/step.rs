@@ -400,10 +400,7 @@ impl StepBenchReport {
     /// `step.png`: one stacked bar of parts per cell.
     pub fn plot(&self, dir: &Path) -> Result<PathBuf> {
         use switchyard_charts::{fonts_available, stacked_bars, Bar, StackedBars};
-        std::fs::create_dir_all(dir).map_err(|source| BenchError::Io {
-            path: dir.to_path_buf(),
-            source,
-        })?;
+        std::fs::create_dir_all(dir).map_err(|source| BenchError::io(dir, source))?;
         let mut segments: Vec<String> = self
             .cells
             .first()

@@ -53,10 +53,7 @@ pub fn parse_status(text: &str) -> Option<Rss> {
 /// The resident memory of process `pid` now.
 pub fn read_rss(pid: u32) -> Result<Rss> {
     let path = PathBuf::from(format!("/proc/{pid}/status"));
-    let text = std::fs::read_to_string(&path).map_err(|source| BenchError::Io {
-        path: path.clone(),
-        source,
-    })?;
+    let text = std::fs::read_to_string(&path).map_err(|source| BenchError::io(&path, source))?;
     parse_status(&text)
         .ok_or_else(|| BenchError::Invalid(format!("{} has no VmRSS line", path.display())))
 }
