@@ -9,8 +9,10 @@
 #   scripts/constrained-cost.sh                  (ROUNDS=4 CONCURRENCY="32 1")
 #   OUT=reports/constrained ROUNDS=4 scripts/constrained-cost.sh
 #
-# Writes OUT/c{CONCURRENCY}-{plain,schema,masked}-{ROUND}.json, OUT/metrics.txt (the server's
-# constrained-token counters) and prints the mean-TPOT table.
+# Writes OUT/c{CONCURRENCY}-{plain,schema,masked}-{ROUND}.json, the server's constrained
+# counters before and after each run (OUT/c…-{ROUND}.{before,after}.prom) and at the end
+# (OUT/metrics.txt), and prints the mean-TPOT table with each constrained run's share of step
+# time spent on constraints, as the server counted it in the same steps.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-reports/constrained}
@@ -40,33 +42,66 @@ run() { # concurrency kind round
   local extra=()
   [ "$kind" = schema ] && extra=(--extra-body "$SCHEMA")
   [ "$kind" = masked ] && extra=(--extra-body "$MASKED")
+  snapshot >"$OUT/c$c-$kind-$r.before.prom"
   $SY bench serve --url "http://127.0.0.1:$PORT" --model "$MODEL" --dataset synthetic \
     --input-len 128 --output-len 128 --ignore-eos --endpoint chat --num-prompts "$n" \
     --max-concurrency "$c" "${extra[@]}" --json "$OUT/c$c-$kind-$r.json" >/dev/null
+  snapshot >"$OUT/c$c-$kind-$r.after.prom"
+}
+# The server's own account of constrained work (seconds spent on constraints and wall seconds
+# of the steps that sampled a constrained row), read before and after each run: measured in
+# the same steps, it does not depend on how noisy the runs are against each other.
+snapshot() {
+  curl -sf "http://127.0.0.1:$PORT/metrics" | grep '^switchyard_constrained_' || true
 }
 # One warm-up request so the first round does not pay the cold start.
-run 1 plain 0 && rm -f "$OUT/c1-plain-0.json"
+run 1 plain 0 && rm -f "$OUT"/c1-plain-0.*
 for c in $CONCURRENCY; do
   for r in $(seq 1 "$ROUNDS"); do
-    run "$c" plain "$r"
-    run "$c" schema "$r"
-    run "$c" masked "$r"
+    # Odd rounds run plain first, even rounds last, so that no kind always follows another.
+    if [ $((r % 2)) -eq 1 ]; then
+      run "$c" plain "$r"
+      run "$c" schema "$r"
+      run "$c" masked "$r"
+    else
+      run "$c" masked "$r"
+      run "$c" schema "$r"
+      run "$c" plain "$r"
+    fi
   done
 done
-curl -sf "http://127.0.0.1:$PORT/metrics" | grep '^switchyard_constrained_tokens_total' >"$OUT/metrics.txt" || true
+curl -sf "http://127.0.0.1:$PORT/metrics" | grep '^switchyard_constrained_' >"$OUT/metrics.txt" || true
 cat "$OUT/metrics.txt"
 python3 - "$OUT" "$ROUNDS" $CONCURRENCY <<'EOF'
 import json, statistics, sys
 out, rounds, cs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-print("| concurrency | round | plain mean TPOT (ms) | constrained | ratio | every position masked | ratio |")
-print("|---|---|---|---|---|---|---|")
+def counters(path):
+    got = {}
+    for line in open(path):
+        name, value = line.rsplit(" ", 1)
+        got[name] = float(value)
+    return got
+
+def share(c, kind, r):
+    """Constraint seconds over the wall seconds of the steps that sampled a constrained row,
+    in this run alone (the server's counters after it less before it)."""
+    before = counters(f"{out}/c{c}-{kind}-{r}.before.prom")
+    after = counters(f"{out}/c{c}-{kind}-{r}.after.prom")
+    delta = lambda k: sum(v - before.get(n, 0.0) for n, v in after.items() if f'kind="{k}"' in n and "seconds" in n)
+    step = delta("step")
+    return delta("constraint") / step if step > 0 else float("nan")
+
+print("| concurrency | round | plain mean TPOT (ms) | constrained | ratio | share of step | every position masked | ratio | share of step |")
+print("|---|---|---|---|---|---|---|---|---|")
 for c in cs:
-    ratios, masked = [], []
+    ratios, masked, shares, mshares = [], [], [], []
     for r in range(1, rounds + 1):
         tpot = lambda kind: json.load(open(f"{out}/c{c}-{kind}-{r}.json"))["mean_tpot_ms"]
         p, s, m = tpot("plain"), tpot("schema"), tpot("masked")
         ratios.append(s / p)
         masked.append(m / p)
-        print(f"| {c} | {r} | {p:.2f} | {s:.2f} | {s / p:.3f} | {m:.2f} | {m / p:.3f} |")
-    print(f"| {c} | median | | | {statistics.median(ratios):.3f} | | {statistics.median(masked):.3f} |")
+        shares.append(share(c, "schema", r))
+        mshares.append(share(c, "masked", r))
+        print(f"| {c} | {r} | {p:.2f} | {s:.2f} | {s / p:.3f} | {shares[-1]:.2%} | {m:.2f} | {m / p:.3f} | {mshares[-1]:.2%} |")
+    print(f"| {c} | median | | | {statistics.median(ratios):.3f} | {statistics.median(shares):.2%} | | {statistics.median(masked):.3f} | {statistics.median(mshares):.2%} |")
 EOF

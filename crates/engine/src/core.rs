@@ -171,10 +171,18 @@ impl EngineStats {
 
 /// Structured-output tokens sampled since start, and how many needed the constraint's full
 /// mask over the vocabulary (the others were drawn first and checked alone).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct ConstrainedCounters {
     pub tokens: u64,
     pub masked: u64,
+    /// Seconds spent on the constraints beyond what unconstrained rows cost: the masks
+    /// computed together before sampling, each drawn token's check and the parser's advance,
+    /// and for a mask the logits' copy, the mask and the draw over the masked row (for rows
+    /// that always mask, that draw is one an unconstrained row makes too: an upper bound).
+    pub seconds: f64,
+    /// Wall seconds of the steps that sampled at least one constrained row: `seconds` over
+    /// this is the share of those steps that constraints took.
+    pub step_seconds: f64,
 }
 
 /// Exits to test below the serving depth, for measuring an exit-depth distribution while
@@ -383,6 +391,16 @@ impl EngineCore {
 
     /// One engine step.
     pub fn step(&mut self) -> StepResult {
+        let started = std::time::Instant::now();
+        let constrained_before = self.constrained.tokens;
+        let result = self.step_inner();
+        if self.constrained.tokens > constrained_before {
+            self.constrained.step_seconds += started.elapsed().as_secs_f64();
+        }
+        result
+    }
+
+    fn step_inner(&mut self) -> StepResult {
         let _span = tracing::debug_span!("step").entered();
         let schedule = prof::time(Part::Schedule);
         let plan = self.scheduler.schedule();
@@ -571,7 +589,10 @@ impl EngineCore {
         drop(copy);
         let _span = tracing::debug_span!("sample", rows = rows.len()).entered();
         let _t = prof::time(Part::Sample);
-        self.prepare_masks(&rows);
+        let preparing = std::time::Instant::now();
+        if self.prepare_masks(&rows) {
+            self.constrained.seconds += preparing.elapsed().as_secs_f64();
+        }
         let mut sampled = Vec::with_capacity(rows.len());
         let mut exits = HashMap::with_capacity(rows.len());
         let mut top = HashMap::new();
@@ -585,6 +606,7 @@ impl EngineCore {
                 None => req.sampler.sample(row, tokens, prompt_len),
                 Some(c) => match req.sampler.sample_constrained(row, tokens, prompt_len, c) {
                     Ok((s, masked)) => {
+                        self.constrained.seconds += req.sampler.take_constraint_seconds();
                         self.constrained.tokens += 1;
                         self.constrained.masked += u64::from(masked);
                         s
@@ -629,11 +651,12 @@ impl EngineCore {
     /// others'), so a batch of constrained rows costs about one mask per thread instead of
     /// one per row on this thread. Rows the sampler may draw before masking (see
     /// [`Sampler::sample_constrained`]) are left out: most of their tokens need no mask.
-    fn prepare_masks(&mut self, rows: &[(RequestId, u32)]) {
+    /// Whether any mask was computed.
+    fn prepare_masks(&mut self, rows: &[(RequestId, u32)]) -> bool {
         // Most steps have no constrained row: nothing to gather.
         let constrained = self.requests.values().filter(|r| r.constraint.is_some());
         if constrained.take(2).count() < 2 {
-            return;
+            return false;
         }
         let ids: std::collections::HashSet<RequestId> = rows.iter().map(|(id, _)| *id).collect();
         let constraints: Vec<std::sync::Mutex<&mut Constraint>> = self
@@ -644,13 +667,14 @@ impl EngineCore {
             .map(std::sync::Mutex::new)
             .collect();
         if constraints.len() < 2 {
-            return;
+            return false;
         }
         switchyard_kernels::pool::run(constraints.len(), &|i| {
             if let Ok(mut c) = constraints[i].lock() {
                 c.prepare();
             }
         });
+        true
     }
 
     /// Tests `probe`'s exits below the serving depth on every sampled row from the next step

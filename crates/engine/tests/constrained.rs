@@ -39,6 +39,11 @@ type Outputs = HashMap<u64, (Vec<u32>, Option<FinishReason>)>;
 
 /// Greedy outputs of eight constrained prompts served together, and the engine's counters.
 fn serve(report_logprobs: bool) -> (Outputs, u64, u64) {
+    let (outs, c) = serve_counted(report_logprobs);
+    (outs, c.tokens, c.masked)
+}
+
+fn serve_counted(report_logprobs: bool) -> (Outputs, switchyard_engine::ConstrainedCounters) {
     let src = source();
     let tok = Arc::new(Tokenizer::from_source(&*src).expect("tokenizer"));
     let model = LayeredModel::load(Arc::clone(&src), &LoadOptions::default()).expect("load");
@@ -89,7 +94,7 @@ fn serve(report_logprobs: bool) -> (Outputs, u64, u64) {
         let v: serde_json::Value = serde_json::from_str(&text).expect("the output is JSON");
         assert!(v["city"].is_string() && v["population"].is_i64(), "{text}");
     }
-    (outs, c.tokens, c.masked)
+    (outs, c)
 }
 
 #[test]
@@ -172,4 +177,22 @@ fn temperature_rows_drawn_before_the_mask_keep_the_masked_distribution() {
     // Half the first draws land on the refused token and take the mask.
     let masked_share = masks as f64 / n as f64;
     assert!((masked_share - 0.5).abs() < 0.035, "masked {masked_share}");
+}
+
+/// The engine's account of what constraints cost (`switchyard_constrained_seconds_total`): a
+/// share of the steps that sampled constrained rows, larger when every position masks than
+/// when drawn tokens are checked alone.
+#[test]
+fn constraint_time_is_counted_as_a_share_of_the_steps() {
+    let (_, checked) = serve_counted(false);
+    let (_, masked) = serve_counted(true);
+    for c in [&checked, &masked] {
+        assert!(c.seconds > 0.0 && c.step_seconds > 0.0, "{c:?}");
+        assert!(c.seconds < c.step_seconds, "{c:?}");
+    }
+    // 75 masks instead of 212 (see above): the masks dominate what a constrained row costs.
+    assert!(
+        checked.seconds < masked.seconds,
+        "checked first {checked:?}, every position masked {masked:?}"
+    );
 }

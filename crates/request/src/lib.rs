@@ -190,14 +190,13 @@ impl SamplingParams {
     }
 
     /// Whether anything changes the logits before temperature: a bias, a penalty, or banned
-    /// end tokens under `min_tokens`.
+    /// end tokens under `min_tokens`. A guide's mask comes after these and is not counted.
     pub fn processes_logits(&self) -> bool {
         self.repetition_penalty != 1.0
             || self.presence_penalty != 0.0
             || self.frequency_penalty != 0.0
             || !self.logit_bias.is_empty()
             || self.min_tokens > 0
-            || self.guide.is_some()
     }
 
     pub fn validate(&self) -> Result<(), RequestError> {

@@ -38,6 +38,7 @@ pub struct Metrics {
     prefix_hit_rate: GaugeVec,
     prefix_tokens: CounterVec,
     constrained_tokens: CounterVec,
+    constrained_seconds: CounterVec,
     depth: GaugeVec,
     preemptions: GaugeVec,
     helios_decisions: GaugeVec,
@@ -96,6 +97,17 @@ impl Metrics {
             &["model", "kind"],
         ));
         must(registry.register(Box::new(constrained_tokens.clone())));
+        let constrained_seconds = must(CounterVec::new(
+            Opts::new(
+                "switchyard_constrained_seconds_total",
+                "Seconds spent on structured-output constraints beyond an unconstrained row's \
+                 draw (`constraint`: masks, token checks, parser advances), and the wall time \
+                 of the engine steps that sampled a constrained row (`step`); their ratio is \
+                 the share of those steps that constraints cost",
+            ),
+            &["model", "kind"],
+        ));
+        must(registry.register(Box::new(constrained_seconds.clone())));
         let route_seconds = must(CounterVec::new(
             Opts::new(
                 "switchyard_route_decision_seconds_total",
@@ -194,6 +206,7 @@ impl Metrics {
             ),
             prefix_tokens,
             constrained_tokens,
+            constrained_seconds,
             depth: gauge(
                 "switchyard_depth_layers",
                 "Layers every token runs through (fixed-depth exit)",
@@ -291,6 +304,13 @@ impl Metrics {
                 &self.constrained_tokens.with_label_values(&[model, kind]),
                 v,
             );
+        }
+        for (kind, v) in [("constraint", k.seconds), ("step", k.step_seconds)] {
+            let c = self.constrained_seconds.with_label_values(&[model, kind]);
+            let delta = v - c.get();
+            if delta > 0.0 {
+                c.inc_by(delta);
+            }
         }
         self.depth.with_label_values(&[model]).set(s.depth as f64);
         self.preemptions
