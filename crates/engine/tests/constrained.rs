@@ -38,12 +38,7 @@ fn schema() -> Guide {
 type Outputs = HashMap<u64, (Vec<u32>, Option<FinishReason>)>;
 
 /// Greedy outputs of eight constrained prompts served together, and the engine's counters.
-fn serve(report_logprobs: bool) -> (Outputs, u64, u64) {
-    let (outs, c) = serve_counted(report_logprobs);
-    (outs, c.tokens, c.masked)
-}
-
-fn serve_counted(report_logprobs: bool) -> (Outputs, switchyard_engine::ConstrainedCounters) {
+fn serve(report_logprobs: bool) -> (Outputs, switchyard_engine::ConstrainedCounters) {
     let src = source();
     let tok = Arc::new(Tokenizer::from_source(&*src).expect("tokenizer"));
     let model = LayeredModel::load(Arc::clone(&src), &LoadOptions::default()).expect("load");
@@ -97,10 +92,15 @@ fn serve_counted(report_logprobs: bool) -> (Outputs, switchyard_engine::Constrai
     (outs, c)
 }
 
+/// Also the engine's account of what constraints cost (`switchyard_constrained_seconds_total`):
+/// a share of the steps that sampled constrained rows, larger when every position masks than
+/// when drawn tokens are checked alone.
 #[test]
 fn greedy_rows_drawn_before_the_mask_give_the_masked_tokens() {
-    let (masked_everywhere, tokens_a, masks_a) = serve(true);
-    let (checked_first, tokens_b, masks_b) = serve(false);
+    let (masked_everywhere, masked) = serve(true);
+    let (checked_first, checked) = serve(false);
+    let (tokens_a, masks_a) = (masked.tokens, masked.masked);
+    let (tokens_b, masks_b) = (checked.tokens, checked.masked);
     assert_eq!(checked_first, masked_everywhere);
     assert_eq!(tokens_a, tokens_b);
     assert_eq!(
@@ -116,6 +116,15 @@ fn greedy_rows_drawn_before_the_mask_give_the_masked_tokens() {
     assert!(
         masks_b > 0,
         "some positions refuse the model's first choice"
+    );
+    for c in [&checked, &masked] {
+        assert!(c.seconds > 0.0 && c.step_seconds > 0.0, "{c:?}");
+        assert!(c.seconds < c.step_seconds, "{c:?}");
+    }
+    // 75 masks instead of 212: the masks dominate what a constrained row costs.
+    assert!(
+        checked.seconds < masked.seconds,
+        "checked first {checked:?}, every position masked {masked:?}"
     );
 }
 
@@ -177,22 +186,4 @@ fn temperature_rows_drawn_before_the_mask_keep_the_masked_distribution() {
     // Half the first draws land on the refused token and take the mask.
     let masked_share = masks as f64 / n as f64;
     assert!((masked_share - 0.5).abs() < 0.035, "masked {masked_share}");
-}
-
-/// The engine's account of what constraints cost (`switchyard_constrained_seconds_total`): a
-/// share of the steps that sampled constrained rows, larger when every position masks than
-/// when drawn tokens are checked alone.
-#[test]
-fn constraint_time_is_counted_as_a_share_of_the_steps() {
-    let (_, checked) = serve_counted(false);
-    let (_, masked) = serve_counted(true);
-    for c in [&checked, &masked] {
-        assert!(c.seconds > 0.0 && c.step_seconds > 0.0, "{c:?}");
-        assert!(c.seconds < c.step_seconds, "{c:?}");
-    }
-    // 75 masks instead of 212 (see above): the masks dominate what a constrained row costs.
-    assert!(
-        checked.seconds < masked.seconds,
-        "checked first {checked:?}, every position masked {masked:?}"
-    );
 }
