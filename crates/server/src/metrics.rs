@@ -293,7 +293,10 @@ impl Metrics {
             ("hit", s.prefix_cache_hit_tokens),
             ("queried", s.prefix_cache_queried_tokens),
         ] {
-            raise_to(&self.prefix_tokens.with_label_values(&[model, kind]), v);
+            raise_to(
+                &self.prefix_tokens.with_label_values(&[model, kind]),
+                v as f64,
+            );
         }
         let k = &s.constrained;
         for (kind, v) in [
@@ -302,15 +305,14 @@ impl Metrics {
         ] {
             raise_to(
                 &self.constrained_tokens.with_label_values(&[model, kind]),
-                v,
+                v as f64,
             );
         }
         for (kind, v) in [("constraint", k.seconds), ("step", k.step_seconds)] {
-            let c = self.constrained_seconds.with_label_values(&[model, kind]);
-            let delta = v - c.get();
-            if delta > 0.0 {
-                c.inc_by(delta);
-            }
+            raise_to(
+                &self.constrained_seconds.with_label_values(&[model, kind]),
+                v,
+            );
         }
         self.depth.with_label_values(&[model]).set(s.depth as f64);
         self.preemptions
@@ -329,8 +331,8 @@ impl Metrics {
 }
 
 /// Moves a counter up to an engine's running total (engines count; the counter follows).
-fn raise_to(counter: &prometheus::Counter, total: u64) {
-    let delta = total as f64 - counter.get();
+fn raise_to(counter: &prometheus::Counter, total: f64) {
+    let delta = total - counter.get();
     if delta > 0.0 {
         counter.inc_by(delta);
     }

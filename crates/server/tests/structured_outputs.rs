@@ -125,6 +125,23 @@ async fn fifty_valid(model: &str) {
         let errors: Vec<String> = validator.iter_errors(&v).map(|e| e.to_string()).collect();
         assert!(errors.is_empty(), "{model} #{i}: {errors:?} in {text}");
     }
+    // The server's account of what the constraints cost, counted in the same steps.
+    let metrics = common::get_text(&s.base, "/metrics").await;
+    let seconds = |kind: &str| -> f64 {
+        let label = format!("kind=\"{kind}\"");
+        metrics
+            .lines()
+            .filter(|l| {
+                l.starts_with("switchyard_constrained_seconds_total{") && l.contains(&label)
+            })
+            .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no constrained {kind} seconds in /metrics:\n{metrics}"))
+    };
+    let (constraint, step) = (seconds("constraint"), seconds("step"));
+    assert!(
+        constraint > 0.0 && constraint < step,
+        "{model}: {constraint} s of {step} s"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
