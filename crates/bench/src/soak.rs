@@ -707,6 +707,7 @@ mod tests {
             final_gauges: Some(Gauges {
                 kv_blocks_used: 3,
                 kv_blocks_prefix_cached: 3,
+                in_flight_max: Some(2),
                 ..startup
             }),
             drained: true,
@@ -726,6 +727,7 @@ mod tests {
         assert_eq!(r.failure_reasons.get("http_429"), Some(&5));
         // The 3.1-s request overlaps the 1-s ones started at 49.5 and 50.5.
         assert_eq!(r.requests.peak_admitted, 2);
+        assert_eq!(r.requests.server_peak_admitted, Some(2));
 
         let b = r.burst.as_ref().expect("burst");
         assert_eq!(b.drained_at_s, 53.0);
@@ -778,6 +780,10 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("back within 1.2x 20 s after the burst"), "{md}");
+        assert!(
+            md.contains("at most 2 admitted at once by the server's count (2 as the client"),
+            "{md}"
+        );
         assert!(md.contains("- http_429: 5 (e.g. HTTP 429"), "{md}");
     }
 

@@ -123,13 +123,11 @@ fn a_short_soak_with_a_burst_fails_only_with_429s_and_leaves_no_kv_blocks() {
     assert_eq!(count(&req["completed"]) + count(&req["failed"]), sent);
     // 1/s over 40 s plus 40/s over 4 s: 200 expected (Poisson spread).
     assert!((140..=260).contains(&sent), "{sent} sent");
-    // The server never admitted more than its limit (the client sees a response end a moment
-    // after the server released its place, hence one more).
-    assert!(
-        count(&req["peak_admitted"]) <= MAX_IN_FLIGHT + 1,
-        "{}",
-        req["peak_admitted"]
-    );
+    // The server never admitted more than its limit, and the burst filled it. This is the
+    // server's own count: the client sees each response end a moment after its place was given
+    // back, so its overlap can exceed the limit by the requests crossing that moment (one CI
+    // run saw 10 for 8).
+    assert_eq!(count(&req["server_peak_admitted"]), MAX_IN_FLIGHT, "{req}");
 
     // After the burst nothing fails: a place or a block lost in it would show here as 429s
     // at 1 request/s. Before it, on a machine shared with other jobs (one CI run measured a

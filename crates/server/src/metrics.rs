@@ -28,7 +28,8 @@ pub struct Metrics {
     pub prompt_tokens: IntCounterVec,
     pub generation_tokens: IntCounterVec,
     pub aborted: IntCounterVec,
-    pub in_flight: GaugeVec,
+    in_flight: GaugeVec,
+    in_flight_max: GaugeVec,
     /// 1 while every engine thread of a local model serves, 0 once one stopped or failed.
     pub engine_up: GaugeVec,
     running: GaugeVec,
@@ -174,6 +175,11 @@ impl Metrics {
                 "Requests admitted by the HTTP layer and not yet finished",
                 &["model"],
             ),
+            in_flight_max: gauge(
+                "switchyard_requests_in_flight_max",
+                "Most requests admitted at once since the server started (at most max_in_flight)",
+                &["model"],
+            ),
             engine_up: gauge(
                 "switchyard_engine_up",
                 "1 while every engine thread of the model serves, 0 once one stopped or failed (a panic)",
@@ -257,6 +263,14 @@ impl Metrics {
         ] {
             self.helios_seconds.with_label_values(&[model, kind]).set(v);
         }
+    }
+
+    /// The requests a model's backend holds now and the most it has held at once.
+    pub fn observe_places(&self, model: &str, now: usize, peak: usize) {
+        self.in_flight.with_label_values(&[model]).set(now as f64);
+        self.in_flight_max
+            .with_label_values(&[model])
+            .set(peak as f64);
     }
 
     /// Copies an engine's state into the gauges.

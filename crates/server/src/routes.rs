@@ -346,45 +346,26 @@ fn engine_status(state: &AppState, name: &str, served: &Served) -> EngineStatus 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     for (name, s) in &state.models {
         engine_status(&state, name, s);
+        let places = s.places();
+        state
+            .metrics
+            .observe_places(name, places.in_flight(), places.peak());
         match s {
             Served::Local(m) => {
-                state
-                    .metrics
-                    .in_flight
-                    .with_label_values(&[name])
-                    .set(m.in_flight() as f64);
                 if let Ok(Ok(stats)) =
                     tokio::time::timeout(Duration::from_secs(2), m.handle.stats().recv()).await
                 {
                     state.metrics.observe_engine(name, &stats);
                 }
             }
-            Served::Remote(r) => {
-                state
-                    .metrics
-                    .in_flight
-                    .with_label_values(&[name])
-                    .set(r.in_flight() as f64);
-            }
             Served::Helios(h) => {
-                state
-                    .metrics
-                    .in_flight
-                    .with_label_values(&[name])
-                    .set(h.in_flight() as f64);
                 if let Ok(Ok(s)) =
                     tokio::time::timeout(Duration::from_secs(2), h.orchestrator.stats()).await
                 {
                     state.metrics.observe_helios(name, &s.counters);
                 }
             }
-            Served::Modes(m) => {
-                state
-                    .metrics
-                    .in_flight
-                    .with_label_values(&[name])
-                    .set(m.in_flight() as f64);
-            }
+            Served::Remote(_) | Served::Modes(_) => {}
         }
     }
     (

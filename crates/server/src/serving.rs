@@ -42,24 +42,36 @@ pub struct RequestContext<'a> {
     pub deadline: Instant,
 }
 
-/// The requests in flight on one backend, each counted by its [`Place`].
+/// The requests in flight on one backend, each counted by its [`Place`], and the most it
+/// has held at once since the server started.
 #[derive(Debug, Default)]
-pub struct Places(Arc<AtomicUsize>);
+pub struct Places {
+    now: Arc<AtomicUsize>,
+    peak: AtomicUsize,
+}
 
 impl Places {
     pub fn in_flight(&self) -> usize {
-        self.0.load(Ordering::SeqCst)
+        self.now.load(Ordering::SeqCst)
+    }
+
+    /// The most requests admitted at once so far (`switchyard_requests_in_flight_max`): the
+    /// admission limit seen from the server, where a client only sees responses end a moment
+    /// after their places were given back.
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::SeqCst)
     }
 
     /// Reserves a place, or says the backend is at capacity (429). The place is held until
     /// the returned guard drops.
     pub fn admit(&self, limit: usize) -> Result<Place, ApiError> {
-        let prev = self.0.fetch_add(1, Ordering::SeqCst);
+        let prev = self.now.fetch_add(1, Ordering::SeqCst);
         if prev >= limit {
-            self.0.fetch_sub(1, Ordering::SeqCst);
+            self.now.fetch_sub(1, Ordering::SeqCst);
             return Err(ApiError::Overloaded(prev));
         }
-        Ok(Place(Arc::clone(&self.0)))
+        self.peak.fetch_max(prev + 1, Ordering::SeqCst);
+        Ok(Place(Arc::clone(&self.now)))
     }
 }
 
@@ -338,5 +350,25 @@ pub async fn before_deadline<T>(
             metrics.aborted.with_label_values(&[model, "timeout"]).inc();
             Err(ApiError::Timeout(timeout_s))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn places_refuse_past_the_limit_and_remember_their_peak() {
+        let places = Places::default();
+        let held: Vec<Place> = (0..3).map(|_| places.admit(3).expect("a place")).collect();
+        let refused = places.admit(3).expect_err("full");
+        assert!(matches!(refused, ApiError::Overloaded(3)), "{refused:?}");
+        assert_eq!((places.in_flight(), places.peak()), (3, 3));
+        drop(held);
+        assert_eq!((places.in_flight(), places.peak()), (0, 3));
+        let one = places.admit(3).expect("a place again");
+        assert_eq!((places.in_flight(), places.peak()), (1, 3));
+        drop(one);
+        assert_eq!(places.in_flight(), 0);
     }
 }

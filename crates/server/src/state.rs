@@ -13,7 +13,7 @@ use crate::local::LocalModel;
 use crate::metrics::Metrics;
 use crate::modeswitch::ModeSwitchModel;
 use crate::remote::RemoteModel;
-use crate::serving::{Backend, RequestContext, Started};
+use crate::serving::{Backend, Places, RequestContext, Started};
 use crate::validate::ValidRequest;
 
 #[derive(Clone)]
@@ -63,6 +63,16 @@ impl Served {
             Served::Modes(m) => m.admit_and_start(req, ctx).await,
             Served::Remote(m) => m.admit_and_start(req, ctx).await,
             Served::Helios(m) => m.admit_and_start(req, ctx).await,
+        }
+    }
+
+    /// Where this model's backend counts its requests in flight.
+    pub(crate) fn places(&self) -> &Places {
+        match self {
+            Served::Local(m) => m.places(),
+            Served::Modes(m) => m.places(),
+            Served::Remote(m) => m.places(),
+            Served::Helios(m) => m.places(),
         }
     }
 }

@@ -74,6 +74,9 @@ pub struct Gauges {
     pub workspace_bytes: Option<u64>,
     /// `switchyard_requests_total` over every model, route and status.
     pub requests_total: u64,
+    /// Most requests the server admitted at once for this model since it started
+    /// (`switchyard_requests_in_flight_max`; `None` from a server without it).
+    pub in_flight_max: Option<u64>,
 }
 
 /// One sample `name{labels} value` of the Prometheus text format.
@@ -115,6 +118,7 @@ pub fn parse_gauges(text: &str, model: &str) -> Option<Gauges> {
             ("switchyard_kv_blocks", Some("prefix_cached"), _) => g.kv_blocks_prefix_cached = n,
             ("switchyard_num_requests_running", ..) => g.running = n,
             ("switchyard_num_requests_waiting", ..) => g.waiting = n,
+            ("switchyard_requests_in_flight_max", ..) => g.in_flight_max = Some(n),
             ("switchyard_memory_bytes", _, Some("budget")) => g.budget_bytes = Some(n),
             ("switchyard_memory_bytes", _, Some("weights")) => g.weights_bytes = Some(n),
             ("switchyard_memory_bytes", _, Some("kv_used")) => kv_used_b = Some(n),
@@ -153,6 +157,8 @@ switchyard_memory_bytes{category="kv_free",model="m"} 100
 switchyard_memory_bytes{category="kv_used",model="m"} 20
 switchyard_num_requests_running{model="m"} 2
 switchyard_num_requests_waiting{model="m"} 1
+switchyard_requests_in_flight_max{model="m"} 8
+switchyard_requests_in_flight_max{model="other"} 3
 switchyard_requests_total{model="m",route="completions",status="200"} 5
 switchyard_requests_total{model="m",route="completions",status="429"} 2
 "#;
@@ -170,7 +176,7 @@ switchyard_requests_total{model="m",route="completions",status="429"} 2
             (g.budget_bytes, g.kv_pool_bytes),
             (Some(1 << 28), Some(120))
         );
-        assert_eq!(g.weights_bytes, None);
+        assert_eq!((g.weights_bytes, g.in_flight_max), (None, Some(8)));
         assert_eq!(parse_gauges(text, "absent"), None);
     }
 

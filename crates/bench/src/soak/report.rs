@@ -132,8 +132,13 @@ pub struct Totals {
     pub failed: usize,
     pub retried: usize,
     pub output_tokens: usize,
-    /// Most requests admitted (success status received, response not ended) at once.
+    /// Most requests admitted at once as the client saw them (success status received,
+    /// response not ended). A response ends here a moment after the server gave its place
+    /// back, so this can exceed the server's limit by the requests that crossed that moment.
     pub peak_admitted: usize,
+    /// Most requests the server admitted at once, from its `/metrics` after the drain
+    /// (`switchyard_requests_in_flight_max`, since the server started; `None` without it).
+    pub server_peak_admitted: Option<u64>,
 }
 
 /// Latency of the completed requests sent in a stretch of the run, in milliseconds (NaN,
@@ -293,6 +298,7 @@ impl SoakReport {
             retried: records.iter().filter(|r| r.retried).count(),
             output_tokens: ok.map(|r| r.output_tokens).sum(),
             peak_admitted: peak_admitted(records),
+            server_peak_admitted: m.final_gauges.as_ref().and_then(|g| g.in_flight_max),
         };
 
         let burst_span = plan.burst.as_ref().map(|b| {
@@ -452,10 +458,12 @@ impl SoakReport {
             self.server_pid
         );
         let r = &self.requests;
+        let opt = |v: Option<u64>| v.map_or("n/a".to_string(), |v| v.to_string());
         let _ = writeln!(
             s,
             "Requests: {} scheduled, {} sent, {} completed ({} empty), {} failed, {} retried; \
-             {} output tokens; at most {} admitted at once.\n",
+             {} output tokens; at most {} admitted at once by the server's count ({} as the \
+             client saw the responses).\n",
             r.scheduled,
             r.sent,
             r.completed,
@@ -463,6 +471,7 @@ impl SoakReport {
             r.failed,
             r.retried,
             r.output_tokens,
+            opt(r.server_peak_admitted),
             r.peak_admitted
         );
         if !self.failure_reasons.is_empty() {
@@ -551,7 +560,6 @@ impl SoakReport {
             }
         );
         let k = &self.kv_blocks;
-        let opt = |v: Option<u64>| v.map_or("n/a".to_string(), |v| v.to_string());
         let _ = writeln!(
             s,
             "K/V blocks after the drain: {} used of {} ({} in the prefix cache, {} held by \
