@@ -79,6 +79,14 @@ pub struct BenchModesArgs {
     /// reaches it, instead of act-order with the grids of the original weights.
     #[arg(long)]
     gptq_no_act_order: bool,
+    /// Quantize each layer's matrix groups in turn, each on the inputs the quantized groups
+    /// before it give (GPTQ's "true sequential").
+    #[arg(long)]
+    gptq_true_sequential: bool,
+    /// Run both orders on every matrix and keep the one with the lower output error on
+    /// further calibration documents that no Hessian is fitted to.
+    #[arg(long)]
+    gptq_choose_order: bool,
     /// Write the report as JSON to FILE (stdout when omitted).
     #[arg(long, value_name = "FILE", num_args = 0..=1)]
     json: Option<Option<PathBuf>>,
@@ -317,6 +325,8 @@ fn assets(a: &BenchModesArgs, modes: &[Mode]) -> anyhow::Result<ModeAssets> {
             docs: a.gptq_docs,
             awq_scales: a.gptq_awq_scales,
             act_order: !a.gptq_no_act_order,
+            true_sequential: a.gptq_true_sequential,
+            choose_order: a.gptq_choose_order,
             ..GptqSettings::default()
         };
         let t0 = std::time::Instant::now();
@@ -342,6 +352,14 @@ fn assets(a: &BenchModesArgs, modes: &[Mode]) -> anyhow::Result<ModeAssets> {
             gptq,
             100.0 * (gptq / rtn - 1.0)
         );
+        if c.settings.choose_order {
+            let act = c.reports.iter().filter(|r| r.act_order).count();
+            eprintln!(
+                "GPTQ: act-order kept on {act} of {} matrices, column order on the others (the lower output error on {} selection documents)",
+                c.reports.len(),
+                c.settings.select_docs
+            );
+        }
         Some(Arc::new(c))
     } else {
         None

@@ -81,7 +81,7 @@ pub fn calibrate_gptq(
             Err(e) => tracing::warn!(error = %e, "GPTQ cache not used; calibrating again"),
         }
     }
-    let docs = sharegpt_calibration(tokenizer, settings.docs, settings.doc_tokens)?;
+    let docs = sharegpt_calibration(tokenizer, settings.documents(), settings.doc_tokens)?;
     let c = if settings.awq_scales {
         tracing::info!("GPTQ: calibrating the activation-aware scales first");
         let awq = calibrate_awq(Arc::clone(&source), tokenizer, |_, _| {})?;

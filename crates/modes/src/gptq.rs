@@ -23,7 +23,7 @@
 //! The Cholesky factorisation and triangular inverse use `faer` (dense linear algebra written
 //! for this; candle has neither).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -92,6 +92,22 @@ pub struct GptqSettings {
     /// norms the scales fold into are kept beside the 4-bit blocks).
     #[serde(default)]
     pub awq_scales: bool,
+    /// Quantize a layer's matrices group by group (q/k/v, then the attention output, then
+    /// gate/up, then down), each group's Hessian taken on the inputs the already-quantized
+    /// groups before it produce, as the GPTQ reference's "true sequential" does. Off: every
+    /// group's inputs come from the float layer.
+    #[serde(default)]
+    pub true_sequential: bool,
+    /// Quantize every matrix both with act-order and in column order and keep the one with
+    /// the lower output error on `select_docs` further calibration documents, which no
+    /// Hessian is fitted to (`act_order` is then only the tie-break). The two orders trade
+    /// places between models, and a calibration error of the fitted text cannot tell which
+    /// generalizes.
+    #[serde(default)]
+    pub choose_order: bool,
+    /// Calibration documents (after the `docs` ones) that only score the two orders.
+    #[serde(default)]
+    pub select_docs: usize,
 }
 
 impl Default for GptqSettings {
@@ -105,7 +121,23 @@ impl Default for GptqSettings {
             docs: 32,
             doc_tokens: 256,
             awq_scales: false,
+            true_sequential: false,
+            choose_order: false,
+            select_docs: 8,
         }
+    }
+}
+
+impl GptqSettings {
+    /// Calibration documents the settings read: the fitted ones, then those that choose the
+    /// order.
+    pub fn documents(&self) -> usize {
+        self.docs
+            + if self.choose_order {
+                self.select_docs
+            } else {
+                0
+            }
     }
 }
 
@@ -149,6 +181,13 @@ pub struct MatrixReport {
     /// Calibration input rows in the Hessian, and rows left out as outliers.
     pub rows: usize,
     pub outlier_rows: usize,
+    /// Whether the kept blocks came from act-order (else column order).
+    #[serde(default)]
+    pub act_order: bool,
+    /// With `choose_order`: the output error on the selection documents of the act-order
+    /// and the column-order result.
+    #[serde(default)]
+    pub selection_error: Option<[f64; 2]>,
 }
 
 /// A whole model's GPTQ result.
@@ -512,6 +551,16 @@ pub fn reconstruction_error(a: &[f32], b: &[f32], rows: usize, cols: usize, h: &
     sum
 }
 
+/// The entries of `h`'s sum, row-major, in f64.
+fn hessian_values(h: &Hessian) -> Result<Vec<f64>> {
+    Ok(h.sum
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(f64::from)
+        .collect())
+}
+
 /// Accumulated `X Xᵀ` of one tapped input.
 struct Hessian {
     sum: Tensor,
@@ -561,7 +610,20 @@ pub fn calibrate(
     let n_layers = model.n_layers();
     let kv_dim = model.config().spec.n_kv_heads * model.config().spec.head_dim;
     let docs: Vec<&Vec<u32>> = docs.iter().filter(|d| !d.is_empty()).collect();
-    let tokens: usize = docs.iter().map(|d| d.len()).sum();
+    // The last `select_docs` documents only choose each matrix's order.
+    let n_fit = if settings.choose_order {
+        if docs.len() <= settings.select_docs || settings.select_docs == 0 {
+            return Err(ModesError::Invalid(format!(
+                "GPTQ with choose_order needs documents to fit and {} to choose on; {} given",
+                settings.select_docs,
+                docs.len()
+            )));
+        }
+        docs.len() - settings.select_docs
+    } else {
+        docs.len()
+    };
+    let tokens: usize = docs[..n_fit].iter().map(|d| d.len()).sum();
     if tokens == 0 {
         return Err(ModesError::Invalid(
             "GPTQ calibration needs at least one token".into(),
@@ -574,26 +636,21 @@ pub fn calibrate(
     let device = Device::Cpu;
     let mut tensors: HashMap<String, QuantizedMatrix> = HashMap::new();
     let mut reports = Vec::new();
-    let run_layer = |model: &LayeredModel, xs: &[Tensor], l: usize| -> Result<Vec<Tensor>> {
-        xs.iter()
-            .map(|x| {
-                let n = x.dim(0)?;
-                let mut kv = DenseKv::new(n_layers, kv_dim);
-                Ok(model.forward_layers(
-                    x.clone(),
-                    l..l + 1,
-                    &mut ForwardBatch::single(&mut kv, 0, n),
-                )?)
-            })
-            .collect()
+    let run_doc = |model: &LayeredModel, x: &Tensor, l: usize| -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let mut kv = DenseKv::new(n_layers, kv_dim);
+        Ok(model.forward_layers(
+            x.clone(),
+            l..l + 1,
+            &mut ForwardBatch::single(&mut kv, 0, n),
+        )?)
     };
-    for l in 0..n_layers {
-        let taps: Vec<String> = MATRICES
-            .iter()
-            .map(|(_, tap)| names::layer(l, tap))
-            .collect();
-        let observed: Rc<RefCell<HashMap<String, Hessian>>> = Rc::default();
-        let sink = Rc::clone(&observed);
+    // The Hessians of the inputs of `taps` on layer `l` as `model` holds it now: over the
+    // fitted documents, and over the selection documents.
+    let observe = |model: &LayeredModel, xs: &[Tensor], l: usize, taps: Vec<String>| {
+        let observed: Rc<RefCell<[HashMap<String, Hessian>; 2]>> = Rc::default();
+        let selecting = Rc::new(Cell::new(false));
+        let (sink, which) = (Rc::clone(&observed), Rc::clone(&selecting));
         let outlier_norm = settings.outlier_norm;
         let observer = move |name: &str, x: &Tensor| -> candle_core::Result<()> {
             if !taps.iter().any(|t| t == name) {
@@ -604,6 +661,7 @@ pub fn calibrate(
             let xtx = x.t()?.matmul(&x)?;
             let rows = x.dim(0)?;
             let mut all = sink.borrow_mut();
+            let all = &mut all[usize::from(which.get())];
             match all.get_mut(name) {
                 Some(h) => {
                     h.sum = (&h.sum + xtx)?;
@@ -621,28 +679,98 @@ pub fn calibrate(
             }
             Ok(())
         };
-        switchyard_kernels::tap::with_tap(observer, || run_layer(&model, &xs, l))??;
-        let observed = observed.take();
-        for (member, tap) in MATRICES {
-            let name = names::layer(l, member);
+        switchyard_kernels::tap::with_tap(observer, || -> Result<()> {
+            for (i, x) in xs.iter().enumerate() {
+                selecting.set(i >= n_fit);
+                run_doc(model, x, l)?;
+            }
+            Ok(())
+        })??;
+        Result::Ok(observed.take())
+    };
+    // Layer `l` with the blocks GPTQ has made for it so far, the rest of it from `source`
+    // loaded as `format`.
+    let install = |model: &mut LayeredModel,
+                   tensors: &HashMap<String, QuantizedMatrix>,
+                   l: usize,
+                   format: WeightFormat|
+     -> Result<()> {
+        let own: HashMap<String, QuantizedMatrix> = MATRICES
+            .iter()
+            .map(|(member, _)| names::layer(l, member))
+            .filter_map(|n| tensors.get(&n).map(|m| (n, m.clone())))
+            .collect();
+        let overlay = OverlaySource::new(Arc::clone(&source), "GPTQ 4-bit", raw_blocks(&own));
+        let loader = TensorLoader {
+            src: &overlay,
+            device: &device,
+            format,
+        };
+        let block = load_block(&loader, model.config(), l)?;
+        model.install_layer(l, block)?;
+        Ok(())
+    };
+    for l in 0..n_layers {
+        let mut observed: [HashMap<String, Hessian>; 2] = Default::default();
+        for (g, (member, tap)) in MATRICES.iter().enumerate() {
             let tap = names::layer(l, tap);
-            let hessian = observed.get(&tap).ok_or_else(|| {
+            if !observed[0].contains_key(&tap) {
+                // A new group of matrices sharing one input.
+                let taps = if settings.true_sequential {
+                    if g > 0 {
+                        // Its inputs as the groups quantized before it make them (their
+                        // blocks dequantized; this group and those after it still float).
+                        install(&mut model, &tensors, l, WeightFormat::F32)?;
+                    }
+                    vec![tap.clone()]
+                } else {
+                    MATRICES.iter().map(|(_, t)| names::layer(l, t)).collect()
+                };
+                observed = observe(&model, &xs, l, taps)?;
+            }
+            let name = names::layer(l, member);
+            let hessian = observed[0].get(&tap).ok_or_else(|| {
                 ModesError::Invalid(format!(
                     "GPTQ calibration never observed the input of {tap}"
                 ))
             })?;
-            let h: Vec<f64> = hessian
-                .sum
-                .flatten_all()?
-                .to_vec1::<f32>()?
-                .into_iter()
-                .map(f64::from)
-                .collect();
+            let h = hessian_values(hessian)?;
+            let selection = if settings.choose_order {
+                let hs = observed[1].get(&tap).ok_or_else(|| {
+                    ModesError::Invalid(format!(
+                        "GPTQ's selection documents never reached the input of {tap}"
+                    ))
+                })?;
+                Some(hessian_values(hs)?)
+            } else {
+                None
+            };
             let w = source.load(&name, &device)?.dequantize(&device)?;
             let (rows, cols) = w.dims2()?;
             let dtype = target.dtype_for(cols, false);
             let values: Vec<f32> = w.flatten_all()?.to_vec1()?;
-            let q = quantize_matrix(&values, rows, cols, &h, dtype, settings)?;
+            let (q, act_order, selection_error) = match &selection {
+                None => (
+                    quantize_matrix(&values, rows, cols, &h, dtype, settings)?,
+                    settings.act_order,
+                    None,
+                ),
+                Some(hs) => {
+                    let both = [true, false].map(|act_order| {
+                        let s = GptqSettings {
+                            act_order,
+                            ..*settings
+                        };
+                        let q = quantize_matrix(&values, rows, cols, &h, dtype, &s)?;
+                        let e = reconstruction_error(&values, &q.dequantize()?, rows, cols, hs);
+                        Result::Ok((q, e))
+                    });
+                    let [a, c] = both;
+                    let ((qa, ea), (qc, ec)) = (a?, c?);
+                    let act = ea < ec || (ea == ec && settings.act_order);
+                    (if act { qa } else { qc }, act, Some([ea, ec]))
+                }
+            };
             let rtn: Vec<f32> = QTensor::quantize(&w, dtype)?
                 .dequantize(&device)?
                 .flatten_all()?
@@ -654,19 +782,17 @@ pub fn calibrate(
                 error_gptq: reconstruction_error(&values, &q.dequantize()?, rows, cols, &h),
                 rows: hessian.rows,
                 outlier_rows: hessian.dropped,
+                act_order,
+                selection_error,
             });
             tensors.insert(name, q);
         }
         // The next layer sees this one's output through the 4-bit kernels.
-        let overlay = OverlaySource::new(Arc::clone(&source), "GPTQ 4-bit", raw_blocks(&tensors));
-        let loader = TensorLoader {
-            src: &overlay,
-            device: &device,
-            format: WeightFormat::Quantized(target),
-        };
-        let block = load_block(&loader, model.config(), l)?;
-        model.install_layer(l, block)?;
-        xs = run_layer(&model, &xs, l)?;
+        install(&mut model, &tensors, l, WeightFormat::Quantized(target))?;
+        xs = xs
+            .iter()
+            .map(|x| run_doc(&model, x, l))
+            .collect::<Result<Vec<_>>>()?;
         model.drop_layer(l);
         progress(l + 1, n_layers);
     }
@@ -1363,6 +1489,92 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
         assert!(cache::load(&path, &"ab".repeat(32), &settings).is_err());
+    }
+
+    /// True sequential changes a group's Hessian only once a group before it in the layer is
+    /// quantized; choosing the order keeps, per matrix, the order with the lower error on the
+    /// selection documents, whose tokens fit no Hessian.
+    #[test]
+    fn true_sequential_and_chosen_orders_on_a_model() {
+        let (src, mut docs) = tiny_model_and_docs(3);
+        let mut rng = StdRng::seed_from_u64(4);
+        docs.extend((0..2).map(|_| (0..48).map(|_| rng.random_range(0..256u32)).collect()));
+        let base = GptqSettings {
+            docs: 4,
+            doc_tokens: 48,
+            ..GptqSettings::default()
+        };
+        let run = |s: &GptqSettings, docs: &[Vec<u32>]| {
+            calibrate(Arc::clone(&src), docs, QuantTarget::Q4, s, |_, _| {}).unwrap()
+        };
+        let report = |c: &GptqCalibration, name: &str| {
+            c.reports.iter().find(|r| r.name == name).cloned().unwrap()
+        };
+        let plain = run(&base, &docs[..4]);
+        let seq = run(
+            &GptqSettings {
+                true_sequential: true,
+                ..base
+            },
+            &docs[..4],
+        );
+        let (q0, o0) = (
+            names::layer(0, "attn_q.weight"),
+            names::layer(0, "attn_output.weight"),
+        );
+        assert_eq!(seq.tensors[&q0].bytes, plain.tensors[&q0].bytes);
+        assert_eq!(report(&seq, &q0).error_rtn, report(&plain, &q0).error_rtn);
+        // The attention output's inputs now come through the 4-bit q/k/v.
+        let (a, b) = (report(&seq, &o0).error_rtn, report(&plain, &o0).error_rtn);
+        assert!((a - b).abs() > 1e-6 * b, "{a} vs {b}");
+        for r in &seq.reports {
+            assert!(r.error_gptq < r.error_rtn, "{r:?}");
+            assert_eq!((r.act_order, r.selection_error), (true, None));
+        }
+
+        let choose = GptqSettings {
+            choose_order: true,
+            select_docs: 2,
+            ..base
+        };
+        assert_eq!(choose.documents(), 6);
+        let chosen = run(&choose, &docs);
+        assert_eq!(
+            chosen.calibration_tokens,
+            4 * 48,
+            "selection tokens fit nothing"
+        );
+        let mut kept = [0, 0];
+        for r in &chosen.reports {
+            let [ea, ec] = r.selection_error.unwrap();
+            assert!(ea.is_finite() && ec.is_finite() && ea != ec, "{r:?}");
+            assert_eq!(r.act_order, ea < ec, "{r:?}");
+            kept[usize::from(r.act_order)] += 1;
+        }
+        eprintln!("column order kept on {}, act-order on {}", kept[0], kept[1]);
+        // The first group of the first layer sees the same inputs either way: its blocks are
+        // the fixed-order result of the order kept.
+        let fixed = |act_order| run(&GptqSettings { act_order, ..base }, &docs[..4]);
+        let kept_q0 = fixed(report(&chosen, &q0).act_order);
+        assert_eq!(chosen.tensors[&q0].bytes, kept_q0.tensors[&q0].bytes);
+        assert_eq!(
+            report(&chosen, &q0).error_gptq,
+            report(&kept_q0, &q0).error_gptq
+        );
+
+        let err = calibrate(
+            Arc::clone(&src),
+            &docs[..2],
+            QuantTarget::Q4,
+            &choose,
+            |_, _| {},
+        )
+        .map(|_| ())
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "GPTQ with choose_order needs documents to fit and 2 to choose on; 2 given"
+        );
     }
 
     #[test]
