@@ -83,6 +83,10 @@ pub struct BenchModesArgs {
     /// before it give (GPTQ's "true sequential").
     #[arg(long)]
     gptq_true_sequential: bool,
+    /// With act-order, choose each block's grid when GPTQ first reaches one of its columns,
+    /// from the weights as they stand then, instead of from the original weights.
+    #[arg(long)]
+    gptq_dynamic_groups: bool,
     /// Run both orders on every matrix and keep the one with the lower output error on
     /// further calibration documents that no Hessian is fitted to.
     #[arg(long)]
@@ -326,6 +330,7 @@ fn assets(a: &BenchModesArgs, modes: &[Mode]) -> anyhow::Result<ModeAssets> {
             awq_scales: a.gptq_awq_scales,
             act_order: !a.gptq_no_act_order,
             true_sequential: a.gptq_true_sequential,
+            dynamic_groups: a.gptq_dynamic_groups,
             choose_order: a.gptq_choose_order,
             ..GptqSettings::default()
         };

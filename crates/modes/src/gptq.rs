@@ -74,8 +74,17 @@ pub struct GptqSettings {
     /// the quiet channels' Hessians being fitted too closely to the calibration text.
     pub damp_per_channel: bool,
     /// Visit columns in order of decreasing Hessian diagonal (largest activations first); the
-    /// block grids then come from the original weights ("static groups").
+    /// block grids then come from the original weights ("static groups") unless
+    /// `dynamic_groups`.
     pub act_order: bool,
+    /// With act-order, choose each block's grid when GPTQ first visits one of its columns,
+    /// from the weights as they stand then (the errors of every column quantized before
+    /// folded in, those of the current lazy block's columns only for its own columns), instead
+    /// of from the original weights. The blocks stay in column order, as the kernels read
+    /// them; the compensated weights are then less often clipped by a grid made for weights
+    /// they no longer are.
+    #[serde(default)]
+    pub dynamic_groups: bool,
     /// Search each Q4_0 block's scale for the least Hessian-diagonal-weighted error instead
     /// of ggml's largest-magnitude rule.
     pub grid_search: bool,
@@ -121,6 +130,7 @@ impl Default for GptqSettings {
             docs: 32,
             doc_tokens: 256,
             awq_scales: false,
+            dynamic_groups: false,
             true_sequential: false,
             choose_order: false,
             select_docs: 8,
@@ -467,7 +477,8 @@ pub fn quantize_matrix(
         }
         v
     };
-    if settings.act_order {
+    let static_groups = settings.act_order && !settings.dynamic_groups;
+    if static_groups {
         for b in 0..blocks_per_row {
             let v = block_values(&w, b);
             set_block(b, &v, &mut out, &mut grids)?;
@@ -479,6 +490,12 @@ pub fn quantize_matrix(
     let u64 = inverse_cholesky_upper(hp.as_ref())?;
     let u = Mat::<f32>::from_fn(cols, cols, |i, j| u64[(i, j)] as f32);
     let mut wp = Mat::<f32>::from_fn(rows, cols, |r, k| w[(r, order[k])]);
+    // Where column c of `w` sits in `wp`, and which blocks have their grid.
+    let mut position = vec![0usize; cols];
+    for (k, &c) in order.iter().enumerate() {
+        position[c] = k;
+    }
+    let mut gridded = vec![static_groups; blocks_per_row];
     let mut codes = vec![0u8; rows * cols];
     let mut err = Mat::<f32>::zeros(rows, LAZY_BLOCK);
     let mut i1 = 0;
@@ -486,10 +503,19 @@ pub fn quantize_matrix(
         let i2 = (i1 + LAZY_BLOCK).min(cols);
         for k in i1..i2 {
             let c = order[k];
-            if !settings.act_order && c.is_multiple_of(block) {
-                // Identity order: the block's columns are k..k+block, all updated so far.
-                let v = block_values(&wp, c / block);
-                set_block(c / block, &v, &mut out, &mut grids)?;
+            if !gridded[c / block] {
+                // The first of the block's columns GPTQ reaches (in column order, the block's
+                // columns are k..k+block, all updated so far).
+                let b = c / block;
+                let mut v = vec![0.0f32; rows * block];
+                for e in 0..block {
+                    let col = wp.col_as_slice(position[b * block + e]);
+                    for r in 0..rows {
+                        v[r * block + e] = col[r];
+                    }
+                }
+                set_block(b, &v, &mut out, &mut grids)?;
+                gridded[b] = true;
             }
             let d = u[(k, k)];
             let (per_row, sub) = (cols / SUB_BLOCK, c / SUB_BLOCK);
@@ -1126,7 +1152,8 @@ mod tests {
     /// each quantized column's error spread with the current inverse's row, then that column
     /// removed from the inverse (the OBS update), no Cholesky, no lazy blocks; Q4_0 grids by
     /// ggml's rule (the signed value of largest magnitude is -8 steps), in `order`, with the
-    /// grids taken from the original weights under act-order.
+    /// grids taken from the original weights under act-order, or with `dynamic_groups` (and
+    /// always in column order) from the weights when the block's first column is visited.
     fn reference(
         w: &[f32],
         rows: usize,
@@ -1136,7 +1163,7 @@ mod tests {
         order: &[usize],
     ) -> Vec<f32> {
         let (damp, per_channel) = (settings.damp, settings.damp_per_channel);
-        let static_grids = settings.act_order;
+        let static_grids = settings.act_order && !settings.dynamic_groups;
         let mut h = h.to_vec();
         let mut w: Vec<f64> = w.iter().map(|&v| f64::from(v)).collect();
         let mean = (0..cols).map(|i| h[i * cols + i]).sum::<f64>() / cols as f64;
@@ -1185,7 +1212,7 @@ mod tests {
         let mut out = vec![0.0f32; rows * cols];
         let mut done = vec![false; cols];
         for &i in order {
-            if !static_grids && i % 32 == 0 {
+            if !static_grids && (i / 32 * 32..i / 32 * 32 + 32).all(|j| !done[j]) {
                 for r in 0..rows {
                     grids[r * cols / 32 + i / 32] = grid_of(&w, r, i / 32);
                 }
@@ -1262,10 +1289,18 @@ mod tests {
         let (rows, cols) = (16, 128);
         let (_, h) = inputs(&mut rng, 512, cols);
         let w = gaussian(&mut rng, rows * cols);
-        for (act_order, damp_per_channel) in [(false, true), (true, true), (true, false)] {
+        // (act-order, per-channel dampening, dynamic groups); one lazy block holds all 128
+        // columns, so act-order's grids at first visit see every update the textbook's do.
+        for (act_order, damp_per_channel, dynamic_groups) in [
+            (false, true, false),
+            (true, true, false),
+            (true, false, false),
+            (true, false, true),
+        ] {
             let settings = GptqSettings {
                 act_order,
                 damp_per_channel,
+                dynamic_groups,
                 grid_search: false,
                 ..GptqSettings::default()
             };
@@ -1281,13 +1316,18 @@ mod tests {
                 .zip(&want)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0.0f32, f32::max);
-            assert!(worst < 1e-5, "act_order {act_order}: max |Δ| {worst:e}");
+            assert!(
+                worst < 1e-5,
+                "act_order {act_order}, dynamic {dynamic_groups}: max |Δ| {worst:e}"
+            );
 
             let (e_rtn, e_gptq) = (
                 reconstruction_error(&w, &rtn(&w, rows, cols, GgmlDType::Q4_0), rows, cols, &h),
                 reconstruction_error(&w, &got, rows, cols, &h),
             );
-            eprintln!("Q4_0 act_order {act_order}: rtn {e_rtn:.4e} gptq {e_gptq:.4e}");
+            eprintln!(
+                "Q4_0 act_order {act_order}, dynamic {dynamic_groups}: rtn {e_rtn:.4e} gptq {e_gptq:.4e}"
+            );
             assert!(
                 e_gptq < 0.8 * e_rtn,
                 "GPTQ cuts the output error by over 20%: {e_gptq:e} vs {e_rtn:e}"
