@@ -76,21 +76,24 @@ pub struct BenchModesArgs {
     #[arg(long)]
     gptq_awq_scales: bool,
     /// Visit GPTQ's columns in order, each block's grid taken from the weights as GPTQ
-    /// reaches it, instead of act-order with the grids of the original weights.
+    /// reaches it, instead of act-order (with the order chosen per matrix, the order kept on
+    /// a tie).
     #[arg(long)]
     gptq_no_act_order: bool,
-    /// Quantize each layer's matrix groups in turn, each on the inputs the quantized groups
-    /// before it give (GPTQ's "true sequential").
+    /// Take every matrix group's Hessian on the float layer's inputs, instead of quantizing a
+    /// layer's groups in turn, each on the inputs the quantized groups before it give
+    /// (GPTQ's "true sequential", the default).
     #[arg(long)]
-    gptq_true_sequential: bool,
-    /// With act-order, choose each block's grid when GPTQ first reaches one of its columns,
-    /// from the weights as they stand then, instead of from the original weights.
+    gptq_no_true_sequential: bool,
+    /// With act-order, take the block grids from the original weights, instead of choosing
+    /// each when GPTQ first reaches one of its columns, from the weights as they stand then.
     #[arg(long)]
-    gptq_dynamic_groups: bool,
-    /// Run both orders on every matrix and keep the one with the lower output error on
-    /// further calibration documents that no Hessian is fitted to.
+    gptq_static_groups: bool,
+    /// Quantize every matrix in one order (act-order, or columns with
+    /// `--gptq-no-act-order`), instead of running both and keeping the one with the lower
+    /// output error on further calibration documents that no Hessian is fitted to.
     #[arg(long)]
-    gptq_choose_order: bool,
+    gptq_fixed_order: bool,
     /// Write the report as JSON to FILE (stdout when omitted).
     #[arg(long, value_name = "FILE", num_args = 0..=1)]
     json: Option<Option<PathBuf>>,
@@ -329,9 +332,9 @@ fn assets(a: &BenchModesArgs, modes: &[Mode]) -> anyhow::Result<ModeAssets> {
             docs: a.gptq_docs,
             awq_scales: a.gptq_awq_scales,
             act_order: !a.gptq_no_act_order,
-            true_sequential: a.gptq_true_sequential,
-            dynamic_groups: a.gptq_dynamic_groups,
-            choose_order: a.gptq_choose_order,
+            true_sequential: !a.gptq_no_true_sequential,
+            dynamic_groups: !a.gptq_static_groups,
+            choose_order: !a.gptq_fixed_order,
             ..GptqSettings::default()
         };
         let t0 = std::time::Instant::now();

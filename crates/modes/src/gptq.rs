@@ -82,7 +82,9 @@ pub struct GptqSettings {
     /// folded in, those of the current lazy block's columns only for its own columns), instead
     /// of from the original weights. The blocks stay in column order, as the kernels read
     /// them; the compensated weights are then less often clipped by a grid made for weights
-    /// they no longer are.
+    /// they no longer are. On by default: with `true_sequential` and `choose_order`,
+    /// Qwen2.5-Coder-0.5B's held-out bits per byte went from 0.4183 (static) to 0.4179, and
+    /// act-order was kept on 114 of its 168 matrices instead of 93 (`reports/gptq`).
     #[serde(default)]
     pub dynamic_groups: bool,
     /// Search each Q4_0 block's scale for the least Hessian-diagonal-weighted error instead
@@ -110,8 +112,9 @@ pub struct GptqSettings {
     /// Quantize every matrix both with act-order and in column order and keep the one with
     /// the lower output error on `select_docs` further calibration documents, which no
     /// Hessian is fitted to (`act_order` is then only the tie-break). The two orders trade
-    /// places between models, and a calibration error of the fitted text cannot tell which
-    /// generalizes.
+    /// places between models (act-order is better on SmolLM2, column order on
+    /// Qwen2.5-Coder-0.5B), and a calibration error of the fitted text cannot tell which
+    /// generalizes. Doubles GPTQ's arithmetic, not its forward passes.
     #[serde(default)]
     pub choose_order: bool,
     /// Calibration documents (after the `docs` ones) that only score the two orders.
@@ -130,9 +133,9 @@ impl Default for GptqSettings {
             docs: 32,
             doc_tokens: 256,
             awq_scales: false,
-            dynamic_groups: false,
-            true_sequential: false,
-            choose_order: false,
+            dynamic_groups: true,
+            true_sequential: true,
+            choose_order: true,
             select_docs: 8,
         }
     }

@@ -41,7 +41,16 @@ fn gptq_beats_round_to_nearest_on_held_out_text_and_is_cached() -> anyhow::Resul
     assert_eq!(cal.tensors.len(), 30 * 7);
     for r in &cal.reports {
         assert!(r.error_gptq < r.error_rtn, "{r:?}");
+        // Each matrix kept the order with the lower error on the 8 selection documents.
+        let [act, columns] = r.selection_error.expect("both orders scored");
+        assert_eq!(r.act_order, act < columns, "{r:?}");
     }
+    let act = cal.reports.iter().filter(|r| r.act_order).count();
+    eprintln!("act-order kept on {act} of {} matrices", cal.reports.len());
+    assert!(
+        0 < act && act < cal.reports.len(),
+        "neither order wins everywhere: {act}"
+    );
     let (rtn, gptq) = cal.total_error();
     eprintln!("reconstruction error on the calibration inputs: rtn {rtn:.4e}, gptq {gptq:.4e}");
     assert!(gptq < 0.7 * rtn, "{gptq:e} vs {rtn:e}");
@@ -78,10 +87,10 @@ fn gptq_beats_round_to_nearest_on_held_out_text_and_is_cached() -> anyhow::Resul
     );
     eprintln!("bits per byte: f16 {f16:.4}, q4 {q4:.4}, q4-gptq {q4_gptq:.4}");
     // Measured on this machine (the kernels are deterministic for a given CPU feature set).
-    for (got, want) in [(f16, 0.5512), (q4, 0.5984), (q4_gptq, 0.5690)] {
+    for (got, want) in [(f16, 0.5513), (q4, 0.5993), (q4_gptq, 0.5725)] {
         assert!((got - want).abs() < 0.005, "{got} vs {want}");
     }
-    // Even this quarter-size calibration closes over half of q4's gap to f16 (measured: 62%).
+    // Even this quarter-size calibration closes over half of q4's gap to f16 (measured: 56%).
     assert!(
         q4_gptq - f16 < 0.5 * (q4 - f16),
         "GPTQ closes over half of q4's gap to f16: f16 {f16}, q4 {q4}, q4-gptq {q4_gptq}"
