@@ -1447,9 +1447,11 @@ mod tests {
     #[test]
     fn calibrates_a_model_and_round_trips_through_the_cache() {
         let (src, docs) = tiny_model_and_docs(1);
+        // Four documents, all fitted (no selection documents, so one order).
         let settings = GptqSettings {
             docs: 4,
             doc_tokens: 48,
+            choose_order: false,
             ..GptqSettings::default()
         };
         let mut layers = Vec::new();
@@ -1545,6 +1547,8 @@ mod tests {
         let base = GptqSettings {
             docs: 4,
             doc_tokens: 48,
+            true_sequential: false,
+            choose_order: false,
             ..GptqSettings::default()
         };
         let run = |s: &GptqSettings, docs: &[Vec<u32>]| {
@@ -1627,6 +1631,7 @@ mod tests {
             docs: 4,
             doc_tokens: 48,
             awq_scales: true,
+            choose_order: false,
             ..GptqSettings::default()
         };
         let awq =
