@@ -444,8 +444,7 @@ pub fn quantize_matrix(
         order.sort_by(|&a, &b| h[(b, b)].total_cmp(&h[(a, a)]));
     }
 
-    // Blocks (header bytes, grids) in column order; with act-order all of them now, from the
-    // original weights; otherwise each when GPTQ reaches it.
+    // Blocks (header bytes, grids) in column order, each set by `set_block` below.
     let mut out = vec![0u8; rows * blocks_per_row * size];
     let mut grids = vec![
         Grid {
@@ -469,34 +468,34 @@ pub fn quantize_matrix(
         }
         Result::Ok(())
     };
-    // Block `b`'s values of `w` (whose columns are in column order when this is called).
-    let block_values = |w: &Mat<f32>, b: usize| -> Vec<f32> {
-        let mut v = vec![0.0f32; rows * block];
-        for e in 0..block {
-            let c = b * block + e;
-            for r in 0..rows {
-                v[r * block + e] = w[(r, c)];
-            }
-        }
-        v
-    };
-    let static_groups = settings.act_order && !settings.dynamic_groups;
-    if static_groups {
-        for b in 0..blocks_per_row {
-            let v = block_values(&w, b);
-            set_block(b, &v, &mut out, &mut grids)?;
-        }
-    }
-
     // Work in visiting order: column k of `wp` is column order[k] of `w`.
     let hp = Mat::<f64>::from_fn(cols, cols, |i, j| h[(order[i], order[j])]);
     let u64 = inverse_cholesky_upper(hp.as_ref())?;
     let u = Mat::<f32>::from_fn(cols, cols, |i, j| u64[(i, j)] as f32);
     let mut wp = Mat::<f32>::from_fn(rows, cols, |r, k| w[(r, order[k])]);
-    // Where column c of `w` sits in `wp`, and which blocks have their grid.
+    // Where column c of `w` sits in `wp`.
     let mut position = vec![0usize; cols];
     for (k, &c) in order.iter().enumerate() {
         position[c] = k;
+    }
+    // Block `b`'s values as `wp` holds them now, `[rows, block]` row-major.
+    let block_values = |wp: &Mat<f32>, b: usize| -> Vec<f32> {
+        let mut v = vec![0.0f32; rows * block];
+        for e in 0..block {
+            for (r, &x) in wp.col_as_slice(position[b * block + e]).iter().enumerate() {
+                v[r * block + e] = x;
+            }
+        }
+        v
+    };
+    // Static groups: every grid now, from the original weights. Otherwise each block's grid
+    // when GPTQ reaches the first of its columns.
+    let static_groups = settings.act_order && !settings.dynamic_groups;
+    if static_groups {
+        for b in 0..blocks_per_row {
+            let v = block_values(&wp, b);
+            set_block(b, &v, &mut out, &mut grids)?;
+        }
     }
     let mut gridded = vec![static_groups; blocks_per_row];
     let mut codes = vec![0u8; rows * cols];
@@ -509,16 +508,9 @@ pub fn quantize_matrix(
             if !gridded[c / block] {
                 // The first of the block's columns GPTQ reaches (in column order, the block's
                 // columns are k..k+block, all updated so far).
-                let b = c / block;
-                let mut v = vec![0.0f32; rows * block];
-                for e in 0..block {
-                    let col = wp.col_as_slice(position[b * block + e]);
-                    for r in 0..rows {
-                        v[r * block + e] = col[r];
-                    }
-                }
-                set_block(b, &v, &mut out, &mut grids)?;
-                gridded[b] = true;
+                let v = block_values(&wp, c / block);
+                set_block(c / block, &v, &mut out, &mut grids)?;
+                gridded[c / block] = true;
             }
             let d = u[(k, k)];
             let (per_row, sub) = (cols / SUB_BLOCK, c / SUB_BLOCK);
@@ -778,26 +770,24 @@ pub fn calibrate(
             let (rows, cols) = w.dims2()?;
             let dtype = target.dtype_for(cols, false);
             let values: Vec<f32> = w.flatten_all()?.to_vec1()?;
-            let (q, act_order, selection_error) = match &selection {
-                None => (
-                    quantize_matrix(&values, rows, cols, &h, dtype, settings)?,
-                    settings.act_order,
-                    None,
-                ),
+            // The blocks, their values, and the order they came from.
+            let quantize = |act_order| {
+                let s = GptqSettings {
+                    act_order,
+                    ..*settings
+                };
+                let q = quantize_matrix(&values, rows, cols, &h, dtype, &s)?;
+                let deq = q.dequantize()?;
+                Result::Ok((q, deq, act_order))
+            };
+            let ((q, deq, act_order), selection_error) = match &selection {
+                None => (quantize(settings.act_order)?, None),
                 Some(hs) => {
-                    let both = [true, false].map(|act_order| {
-                        let s = GptqSettings {
-                            act_order,
-                            ..*settings
-                        };
-                        let q = quantize_matrix(&values, rows, cols, &h, dtype, &s)?;
-                        let e = reconstruction_error(&values, &q.dequantize()?, rows, cols, hs);
-                        Result::Ok((q, e))
-                    });
-                    let [a, c] = both;
-                    let ((qa, ea), (qc, ec)) = (a?, c?);
+                    let (a, c) = (quantize(true)?, quantize(false)?);
+                    let ea = reconstruction_error(&values, &a.1, rows, cols, hs);
+                    let ec = reconstruction_error(&values, &c.1, rows, cols, hs);
                     let act = ea < ec || (ea == ec && settings.act_order);
-                    (if act { qa } else { qc }, act, Some([ea, ec]))
+                    (if act { a } else { c }, Some([ea, ec]))
                 }
             };
             let rtn: Vec<f32> = QTensor::quantize(&w, dtype)?
@@ -808,7 +798,7 @@ pub fn calibrate(
                 name: name.clone(),
                 dtype: format!("{dtype:?}"),
                 error_rtn: reconstruction_error(&values, &rtn, rows, cols, &h),
-                error_gptq: reconstruction_error(&values, &q.dequantize()?, rows, cols, &h),
+                error_gptq: reconstruction_error(&values, &deq, rows, cols, &h),
                 rows: hessian.rows,
                 outlier_rows: hessian.dropped,
                 act_order,
