@@ -124,6 +124,15 @@ pub struct BenchHeliosArgs {
     /// Exit depths read every this many scored positions (full depth reads all).
     #[arg(long, default_value_t = ShadowConfig::default().exit_stride)]
     shadow_exit_stride: usize,
+    /// Bits per byte by which a candidate's distance from the best one must move between the
+    /// window and the newest round for the traffic to count as changed (the window restarts,
+    /// and a choice breaking the bound on the new traffic is left at once); 0 turns it off.
+    #[arg(long, default_value_t = ShadowConfig::default().change_margin.unwrap_or(0.0))]
+    shadow_change_margin: f64,
+    /// Milliseconds a sampled request arriving while the scorer is idle waits for its own
+    /// prompt's round before it is routed (0: never held).
+    #[arg(long, default_value_t = ShadowConfig::default().hold_ms)]
+    shadow_hold_ms: u64,
     /// Do not score the trace's reference answers in the shadow (they are reported, never
     /// used to choose, and double the scoring work).
     #[arg(long)]
@@ -324,6 +333,8 @@ fn options(
                 switch_after: a.shadow_switch_after,
                 references: !a.shadow_skip_references,
                 exit_stride: a.shadow_exit_stride,
+                change_margin: (a.shadow_change_margin > 0.0).then_some(a.shadow_change_margin),
+                hold_ms: a.shadow_hold_ms,
             },
             ..PolicyConfig::default()
         },

@@ -309,6 +309,11 @@ pub struct Decisions {
     pub shadow_busy_seconds: f64,
     pub shadow_share_used: f64,
     pub shadow_peak_bytes: u64,
+    pub shadow_change_points: u64,
+    pub shadow_urgent_switches: u64,
+    pub held_requests: u64,
+    pub hold_seconds: f64,
+    pub hold_timeouts: u64,
 }
 
 impl From<&Counters> for Decisions {
@@ -330,6 +335,11 @@ impl From<&Counters> for Decisions {
             shadow_busy_seconds: c.shadow_busy_seconds,
             shadow_share_used: c.shadow_share_used,
             shadow_peak_bytes: c.shadow_peak_bytes,
+            shadow_change_points: c.shadow_change_points,
+            shadow_urgent_switches: c.shadow_urgent_switches,
+            held_requests: c.held_requests,
+            hold_seconds: c.hold_seconds,
+            hold_timeouts: c.hold_timeouts,
         }
     }
 }

@@ -7,8 +7,9 @@
 //! scores come from the sampled prompts, never from a model's own output.
 //!
 //! Small settings keep it short: every prompt sampled, rounds of 2 prompts, decisions on the
-//! last 4 scored prompts, 2 agreeing rounds before a switch, 4 output tokens per request. The test waits for each round's result
-//! before the next request, so the bound does not depend on the machine's speed.
+//! last 4 scored prompts, 2 agreeing rounds before a switch, 4 output tokens per request. The
+//! first test waits for each round's result before the next request, and the second holds
+//! each request for its own round, so the bounds do not depend on the machine's speed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -103,17 +104,26 @@ fn candidate(m: &Opened, e: &ModelEntry) -> (CandidateEngine, ShadowScorer) {
     )
 }
 
-#[test]
-fn shadow_evaluation_follows_prose_then_code_then_prose() {
+/// What a trace of `phase` prose, `phase` code and `phase` prose requests was served by, and
+/// the orchestrator's counters and rounds. `wait_rounds`: wait after every `ROUND` requests
+/// for that round's result (without holds, so the lag does not depend on the machine).
+fn serve_trace(
+    phase: usize,
+    shadow: ShadowConfig,
+    wait: bool,
+) -> (
+    Vec<String>,
+    switchyard_helios::orchestrator::OrchestratorStats,
+) {
     let data = switchyard_zoo::ensure("sharegpt").expect("sharegpt");
     let prose =
-        exchanges_of_kind(&data, PromptKind::Prose, 2 * PHASE, 200..=1000, 1).expect("prose");
-    let code = exchanges_of_kind(&data, PromptKind::Code, PHASE, 200..=1000, 1).expect("code");
-    assert_eq!((prose.len(), code.len()), (2 * PHASE, PHASE));
-    let trace: Vec<&(String, String)> = prose[..PHASE]
+        exchanges_of_kind(&data, PromptKind::Prose, 2 * phase, 200..=1000, 1).expect("prose");
+    let code = exchanges_of_kind(&data, PromptKind::Code, phase, 200..=1000, 1).expect("code");
+    assert_eq!((prose.len(), code.len()), (2 * phase, phase));
+    let trace: Vec<&(String, String)> = prose[..phase]
         .iter()
         .chain(&code)
-        .chain(&prose[PHASE..])
+        .chain(&prose[phase..])
         .collect();
 
     let entries = vec![entry(SMOL), entry(QWEN)];
@@ -125,17 +135,11 @@ fn shadow_evaluation_follows_prose_then_code_then_prose() {
         scorers.push(s);
     }
     let handles: Vec<EngineHandle> = engines.iter().map(|e| e.handle.clone()).collect();
+    let round = shadow.round;
     let config = PolicyConfig {
         evaluation: Evaluation::Shadow,
         min_kv_tokens: 256,
-        shadow: ShadowConfig {
-            share: 1.0,
-            sample_every: 1,
-            round: ROUND,
-            window: WINDOW,
-            switch_after: SWITCH_AFTER,
-            ..ShadowConfig::default()
-        },
+        shadow,
         ..PolicyConfig::default()
     };
     let slo = Slo {
@@ -165,9 +169,12 @@ fn shadow_evaluation_follows_prose_then_code_then_prose() {
         );
         assert_eq!(done.completion.token_ids.len(), 4);
         served.push(done.model.to_string());
-        if (i + 1) % ROUND == 0 {
-            wait_rounds(&o, ((i + 1) / ROUND) as u64);
+        if wait && (i + 1) % round == 0 {
+            wait_rounds(&o, ((i + 1) / round) as u64);
         }
+    }
+    if !wait {
+        wait_rounds(&o, trace.len().div_ceil(round) as u64);
     }
     let stats = o.stats_blocking().expect("stats");
     o.shutdown_blocking();
@@ -176,11 +183,12 @@ fn shadow_evaluation_follows_prose_then_code_then_prose() {
     }
     for r in &stats.shadow_rounds {
         eprintln!(
-            "round at {}: serving {} best {:?} switched {}; {:?}",
+            "round at {}: serving {} best {:?} switched {} change point {}; {:?}",
             r.at_request,
             r.serving.model,
             r.best,
             r.switched,
+            r.change_point,
             r.scores
                 .iter()
                 .map(|s| (
@@ -192,45 +200,102 @@ fn shadow_evaluation_follows_prose_then_code_then_prose() {
         );
     }
     eprintln!("served: {served:?}");
+    // Every round scored both candidates on the same text: the same bytes but for each
+    // text's first token, which a model without a BOS cannot be scored on (as `eval ppl`).
+    for r in &stats.shadow_rounds {
+        assert_eq!(r.scores.len(), 2);
+        let (a, b) = (r.scores[0].prompt_bytes, r.scores[1].prompt_bytes);
+        assert!(a.abs_diff(b) <= 8 * round as u64, "{a} vs {b} bytes");
+        assert!(r.scores.iter().all(|s| s.reference_bytes > 0));
+    }
+    let c = &stats.counters;
+    assert_eq!(c.shadow_texts as usize, trace.len());
+    assert_eq!(c.shadow_errors, 0);
+    assert_eq!(c.evaluation_requests, 0);
+    (served, stats)
+}
+
+#[test]
+fn shadow_evaluation_follows_prose_then_code_then_prose() {
+    let shadow = ShadowConfig {
+        share: 1.0,
+        sample_every: 1,
+        round: ROUND,
+        window: WINDOW,
+        switch_after: SWITCH_AFTER,
+        ..ShadowConfig::default()
+    };
+    let (served, stats) = serve_trace(PHASE, shadow, true);
 
     // Prose first: the fast model, from offline telemetry.
     assert!(served[..PHASE].iter().all(|m| m == SMOL), "{served:?}");
-    // Code: on the coder within one round for the window to lean to code and SWITCH_AFTER
-    // agreeing rounds after it, and kept.
-    let lag = ROUND * (SWITCH_AFTER + 1);
+    // Code: the first round holding a code prompt is a change point on which SmolLM2 breaks
+    // the bound, so HELIOS moves at once, one round into the phase, and stays.
     let code_phase = &served[PHASE..2 * PHASE];
     let first = code_phase
         .iter()
         .position(|m| m == QWEN)
         .expect("switched to the coder");
     assert!(
-        first <= lag,
+        first <= ROUND,
         "switched {first} requests into code: {served:?}"
     );
     assert!(code_phase[first..].iter().all(|m| m == QWEN), "{served:?}");
-    // Prose again: back to the fast model within the same lag.
+    // Prose again: a change point too, but the coder breaks no bound there, so the way back
+    // waits for SWITCH_AFTER agreeing rounds.
     let back = served[2 * PHASE..]
         .iter()
         .position(|m| m == SMOL)
         .expect("switched back");
     assert!(
-        back <= lag,
+        back <= ROUND * SWITCH_AFTER,
         "switched back {back} requests into prose: {served:?}"
     );
     let c = &stats.counters;
     assert_eq!(c.switches, 2, "{c:?}");
-    assert_eq!(c.shadow_rounds as usize, trace.len() / ROUND);
-    assert_eq!(c.shadow_texts as usize, trace.len());
-    assert_eq!(c.shadow_errors, 0);
-    assert_eq!(c.evaluation_requests, 0);
-    // Every round scored both candidates on the same text: the same bytes but for each
-    // text's first token, which a model without a BOS cannot be scored on (as `eval ppl`).
-    for r in &stats.shadow_rounds {
-        assert_eq!(r.scores.len(), 2);
-        let (a, b) = (r.scores[0].prompt_bytes, r.scores[1].prompt_bytes);
-        assert!(a.abs_diff(b) <= 8 * WINDOW as u64, "{a} vs {b} bytes");
-        assert!(r.scores.iter().all(|s| s.reference_bytes > 0));
-    }
+    assert_eq!(c.shadow_urgent_switches, 1, "{c:?}");
+    assert!(c.shadow_change_points >= 2, "{c:?}");
+    assert_eq!(c.shadow_rounds as usize, 3 * PHASE / ROUND);
+    assert_eq!(c.held_requests, 0);
+}
+
+#[test]
+fn held_requests_are_served_by_the_choice_their_own_prompt_makes() {
+    // Every request is held for its own round (the test sends the next one only after the
+    // previous answer, so the scorer is idle at each arrival).
+    let phase = 6;
+    let shadow = ShadowConfig {
+        share: 1.0,
+        sample_every: 1,
+        round: 1,
+        window: WINDOW,
+        switch_after: SWITCH_AFTER,
+        hold_ms: 600_000,
+        ..ShadowConfig::default()
+    };
+    let (served, stats) = serve_trace(phase, shadow, false);
+    assert!(served[..phase].iter().all(|m| m == SMOL), "{served:?}");
+    // The first code request is scored before it is routed: the whole phase on the coder.
+    assert!(
+        served[phase..2 * phase].iter().all(|m| m == QWEN),
+        "{served:?}"
+    );
+    // Back to SmolLM2 once SWITCH_AFTER rounds agree (the last of them is served by it; a
+    // code prompt on which SmolLM2 is within the bound may have been the first).
+    let back = served[2 * phase..]
+        .iter()
+        .position(|m| m == SMOL)
+        .expect("switched back");
+    assert!(back < SWITCH_AFTER, "{served:?}");
+    assert!(
+        served[2 * phase + back..].iter().all(|m| m == SMOL),
+        "{served:?}"
+    );
+    let c = &stats.counters;
+    assert_eq!(c.held_requests as usize, 3 * phase, "{c:?}");
+    assert_eq!(c.hold_timeouts, 0, "{c:?}");
+    assert!(c.hold_seconds > 0.0);
+    assert_eq!(c.switches, 2, "{c:?}");
 }
 
 /// Waits until `n` scoring rounds have finished.

@@ -288,7 +288,7 @@ fn qwen_scoring_timing() {
     let mut s = ShadowScorer::new("qwen", model, tok, heads).expect("scorer");
     let texts: Vec<ShadowText> = (0..3).map(|_| text(&PROSE.repeat(3), None)).collect();
     let mut throttle = Throttle::new(1.0);
-    for stride in [4, 1] {
+    for stride in [usize::MAX, 4, 1] {
         let r = s
             .score(
                 &texts,

@@ -250,6 +250,10 @@ impl Metrics {
             ("switch_moved", c.switch_moved),
             ("shadow_round", c.shadow_rounds),
             ("shadow_error", c.shadow_errors),
+            ("shadow_change_point", c.shadow_change_points),
+            ("shadow_urgent_switch", c.shadow_urgent_switches),
+            ("held_request", c.held_requests),
+            ("hold_timeout", c.hold_timeouts),
         ] {
             self.helios_decisions
                 .with_label_values(&[model, kind])
@@ -260,6 +264,7 @@ impl Metrics {
             ("extend", c.extend_seconds),
             ("switch", c.switch_seconds),
             ("shadow_scoring", c.shadow_busy_seconds),
+            ("hold", c.hold_seconds),
         ] {
             self.helios_seconds.with_label_values(&[model, kind]).set(v);
         }

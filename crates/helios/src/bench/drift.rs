@@ -676,6 +676,15 @@ impl DriftReport {
                 d.switches,
                 d.extends
             );
+            let _ = writeln!(
+                s,
+                "Change points (the window restarted): {}; switches made at once because the serving choice broke the bound on new traffic: {}. Requests held for their own prompt's round: {} (mean wait {:.2} s, {} holds ran out).",
+                d.shadow_change_points,
+                d.shadow_urgent_switches,
+                d.held_requests,
+                d.hold_seconds / d.held_requests.max(1) as f64,
+                d.hold_timeouts
+            );
         }
         s
     }

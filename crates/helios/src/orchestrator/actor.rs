@@ -24,6 +24,7 @@ use super::{
 use crate::manifest::Manifest;
 use crate::pht::{ExitHistogram, Pht};
 use crate::policy::depth::coverage_depth;
+use crate::policy::shadow::change_point;
 use crate::policy::{
     Candidate, ConfidenceBreachCounter, Decision, DriftDetector, EvalPlan, Features, Policy,
     ProfileReason, Remedy, ReprofileClock, Serving,
@@ -111,6 +112,10 @@ pub(super) struct State {
     /// Serving another candidate because the chosen one became unreachable: back to the best
     /// of all once every candidate serves again.
     failed_over: bool,
+    /// Requests waiting for a held prompt's round (the held one first), and when the hold
+    /// ends whatever the round says.
+    held: VecDeque<(Queued, Instant)>,
+    hold_until: Option<Instant>,
     /// Rung by every request's outputs, every command and every finished shadow round.
     pub(super) bell: Doorbell,
 }
@@ -118,7 +123,8 @@ pub(super) struct State {
 /// The orchestrator's side of shadow evaluation: prompts sampled for the next round, the
 /// scorer thread's channels, the hysteresis and the rounds so far.
 struct Shadow {
-    tx: mpsc::Sender<Vec<ShadowText>>,
+    /// Each round's texts, and whether a held request waits on it.
+    tx: mpsc::Sender<(Vec<ShadowText>, bool)>,
     rx: mpsc::Receiver<RoundResult>,
     /// A round is being scored.
     busy: bool,
@@ -142,35 +148,47 @@ struct RoundResult {
 }
 
 /// The scorer thread: scores each round's texts with every candidate in turn, sharing one
-/// throttle so that their total stays within `share`.
+/// throttle so that their total stays within `share`. A round that a held request waits on
+/// (`true` with its texts) runs without sleeping; its compute still counts in the share
+/// used, so later rounds sleep for it.
 fn run_scorer(
     mut scorers: Vec<ShadowScorer>,
     settings: ScoreSettings,
     share: f64,
-    rx: mpsc::Receiver<Vec<ShadowText>>,
+    rx: mpsc::Receiver<(Vec<ShadowText>, bool)>,
     tx: mpsc::Sender<RoundResult>,
     bell: Doorbell,
 ) {
     let mut throttle = Throttle::new(share);
     let fixed: usize = scorers.iter().map(ShadowScorer::resident_bytes).sum();
-    while let Ok(texts) = rx.recv() {
-        let before = throttle;
+    while let Ok((texts, held)) = rx.recv() {
+        let mut unthrottled = Throttle::new(1.0);
+        let active = if held {
+            &mut unthrottled
+        } else {
+            &mut throttle
+        };
+        let before = *active;
         let mut peak = 0usize;
         let scores: Result<Vec<ShadowScore>> = scorers
             .iter_mut()
             .map(|s| {
-                let out = s.score(&texts, &settings, &mut throttle)?;
+                let out = s.score(&texts, &settings, active)?;
                 // A layer and a head slice are never held together.
                 let weights = out.peak_layer_bytes.max(out.peak_head_bytes);
                 peak = peak.max(weights + out.peak_activation_bytes);
                 Ok(out)
             })
             .collect();
+        let (busy, slept) = (active.busy - before.busy, active.slept - before.slept);
+        if held {
+            throttle.owe(busy);
+        }
         let result = RoundResult {
             scores,
             texts: texts.len(),
-            busy: throttle.busy - before.busy,
-            slept: throttle.slept - before.slept,
+            busy,
+            slept,
             peak_bytes: fixed + peak,
         };
         if tx.send(result).is_err() {
@@ -290,6 +308,8 @@ impl State {
             shadow,
             budget_total,
             failed_over: false,
+            held: VecDeque::new(),
+            hold_until: None,
             bell,
         };
         if state.shadow.is_some() {
@@ -360,6 +380,7 @@ impl State {
 
     fn submit(&mut self, q: Queued) {
         self.counters.requests += 1;
+        let mut hold = false;
         if let Some(sh) = self.shadow.as_mut().filter(|sh| sh.scoring) {
             let every = self.policy.config.shadow.sample_every as u64;
             if (self.counters.requests - 1).is_multiple_of(every) {
@@ -368,10 +389,56 @@ impl State {
                     prompt: q.request.prompt.scored_text(),
                     reference: q.request.reference.clone().filter(|_| references),
                 });
+                // Held only while serving: an evaluation routes by its own plan.
+                hold = self.policy.config.shadow.hold_ms > 0
+                    && !sh.busy
+                    && self.held.is_empty()
+                    && matches!(self.phase, Phase::Serving { .. });
             }
-            self.send_round();
+            if hold {
+                // This prompt's round goes now, whatever the round size.
+                self.send_round_now(true);
+                hold = self.shadow.as_ref().is_some_and(|sh| sh.busy);
+            } else {
+                self.send_round();
+            }
+        }
+        if hold {
+            let ms = self.policy.config.shadow.hold_ms;
+            self.hold_until = Some(Instant::now() + Duration::from_millis(ms));
+            self.counters.held_requests += 1;
+        }
+        if hold || !self.held.is_empty() {
+            // Behind a held request, in arrival order.
+            self.held.push_back((q, Instant::now()));
+            return;
         }
         self.route(q, true);
+    }
+
+    /// Routes the held requests once their round is back or the hold ran out.
+    fn release_held(&mut self, timed_out: bool) {
+        if self.held.is_empty() {
+            return;
+        }
+        self.hold_until = None;
+        self.counters.hold_timeouts += u64::from(timed_out);
+        let now = Instant::now();
+        while let Some((q, since)) = self.held.pop_front() {
+            self.counters.hold_seconds += (now - since).as_secs_f64();
+            self.route(q, true);
+        }
+    }
+
+    /// Releases the held requests if their hold ran out; `true` if it did.
+    fn hold_expired(&mut self) -> bool {
+        match self.hold_until {
+            Some(t) if Instant::now() >= t => {
+                self.release_held(true);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Hands `q` to the serving candidate, or to the evaluation; `retry` when it may be sent
@@ -961,20 +1028,33 @@ impl State {
     /// Sends the sampled prompts to the scorer when a round's worth is ready and the scorer
     /// is free.
     fn send_round(&mut self) {
-        let window = self.policy.config.shadow.round;
+        let round = self.policy.config.shadow.round;
+        if self
+            .shadow
+            .as_ref()
+            .is_some_and(|sh| !sh.busy && sh.pending.len() >= round)
+        {
+            self.send_round_now(false);
+        }
+    }
+
+    /// Sends the newest sampled prompts (at most a round's worth) to the scorer if it is
+    /// free, however few they are; `held` when a request waits on the round.
+    fn send_round_now(&mut self, held: bool) {
+        let round = self.policy.config.shadow.round;
         let Some(sh) = self.shadow.as_mut() else {
             return;
         };
-        if sh.busy || sh.pending.len() < window {
+        if sh.busy || sh.pending.is_empty() {
             return;
         }
         // The newest texts: a round scores the traffic as it is now. Texts that arrived while
         // the scorer was busy and that newer ones displaced are skipped, and counted.
-        let stale = sh.pending.len() - window;
+        let stale = sh.pending.len().saturating_sub(round);
         sh.pending.drain(..stale);
         self.counters.shadow_texts_skipped += stale as u64;
         let texts: Vec<ShadowText> = sh.pending.drain(..).collect();
-        if sh.tx.send(texts).is_ok() {
+        if sh.tx.send((texts, held)).is_ok() {
             sh.busy = true;
         }
     }
@@ -1013,6 +1093,7 @@ impl State {
             Err(err) => {
                 c.shadow_errors += 1;
                 tracing::error!(error = %err, "HELIOS shadow round failed");
+                self.release_held(false);
                 self.send_round();
                 return true;
             }
@@ -1020,9 +1101,27 @@ impl State {
         c.shadow_rounds += 1;
         c.shadow_texts += r.texts as u64;
         let window = self.policy.config.shadow.window;
+        // The round's own prompts against the window before them: other traffic restarts
+        // the window (and the hysteresis) from this round.
+        let newest: BTreeMap<String, DepthNats> = scores
+            .iter()
+            .map(|s| (s.model.clone(), s.prompt.clone()))
+            .collect();
         let sh = self.shadow.as_mut().expect("shadow state checked above");
+        let changed = self
+            .policy
+            .config
+            .shadow
+            .change_margin
+            .is_some_and(|m| change_point(&self.repo, &window_nats(&sh.recent), &newest, m));
+        if changed {
+            sh.recent.clear();
+            sh.gate = SwitchGate::new(self.policy.config.shadow.switch_after);
+            self.counters.shadow_change_points += 1;
+        }
         let by_model = slide_window(&mut sh.recent, window, scores, r.texts);
         let Phase::Serving { serving, .. } = &self.phase else {
+            self.release_held(false);
             self.send_round();
             return true;
         };
@@ -1039,17 +1138,31 @@ impl State {
             }
         };
         let mut switched = false;
-        if let Some(b) = &best {
+        if let Some(b) = best.as_ref().filter(|b| **b != current) {
+            // New traffic that the serving choice serves beyond the bound is left at once.
+            let urgent = changed && self.policy.breaks_bound(&self.repo, &current, &newest);
             let sh = self.shadow.as_mut().expect("shadow state checked above");
-            if sh.gate.propose(&current, b) {
+            let agreed = sh.gate.propose(&current, b);
+            if urgent || agreed {
                 switched = self.move_to(b.clone());
+                if switched && urgent && !agreed {
+                    self.counters.shadow_urgent_switches += 1;
+                    let sh = self.shadow.as_mut().expect("shadow state checked above");
+                    sh.gate = SwitchGate::new(self.policy.config.shadow.switch_after);
+                }
             }
+        } else if let Some(b) = &best {
+            let sh = self.shadow.as_mut().expect("shadow state checked above");
+            sh.gate.propose(&current, b);
         }
+        // Requests held for this round go to what it chose.
+        self.release_held(false);
         let round = ShadowRound {
             at_request: self.counters.requests,
             serving: ServingInfo::from(&current),
             best: best.as_ref().map(ServingInfo::from),
             switched,
+            change_point: changed,
             scores: by_model.values().map(round_score).collect(),
         };
         tracing::info!(
@@ -1057,6 +1170,7 @@ impl State {
             depth = current.depth,
             best = ?round.best,
             switched,
+            change_point = changed,
             "HELIOS shadow round"
         );
         if let Some(sh) = self.shadow.as_mut() {
@@ -1261,7 +1375,7 @@ pub(super) fn run(mut s: State, rx: mpsc::Receiver<Command>) {
             next = if connected { rx.try_recv().ok() } else { None };
         }
         seen = s.bell.rings();
-        while s.poll() | s.poll_shadow() {}
+        while s.poll() | s.poll_shadow() | s.hold_expired() {}
     }
 }
 
@@ -1298,6 +1412,17 @@ fn slide_window(
             (s.model.clone(), s)
         })
         .collect()
+}
+
+/// Each model's prompt nats summed over the window's texts.
+fn window_nats(recent: &VecDeque<BTreeMap<String, DepthNats>>) -> BTreeMap<String, DepthNats> {
+    let mut sum: BTreeMap<String, DepthNats> = BTreeMap::new();
+    for text in recent {
+        for (m, n) in text.iter().filter(|(_, n)| n.bytes > 0) {
+            sum.entry(m.clone()).or_default().merge(n);
+        }
+    }
+    sum
 }
 
 /// Starts the scorer thread over `scorers`, which must cover every local selected candidate.

@@ -237,6 +237,16 @@ pub struct Counters {
     /// The most bytes the scorers held at once: every scorer's embedding, norm, head and exit
     /// heads, plus the largest one layer and batch of activations.
     pub shadow_peak_bytes: u64,
+    /// Rounds whose texts were other traffic than the window before them (the window
+    /// restarted there), and switches made at once on them because the serving choice broke
+    /// the quality bound on the new traffic.
+    pub shadow_change_points: u64,
+    pub shadow_urgent_switches: u64,
+    /// Requests held for their own prompt's round before routing, the time they waited in
+    /// all, and holds that ran out before the round came back.
+    pub held_requests: u64,
+    pub hold_seconds: f64,
+    pub hold_timeouts: u64,
 }
 
 /// One shadow scoring round and what it decided.
@@ -248,6 +258,8 @@ pub struct ShadowRound {
     /// The round's best choice (`None` when none fits).
     pub best: Option<ServingInfo>,
     pub switched: bool,
+    /// The round's texts were other traffic than the window before them.
+    pub change_point: bool,
     /// Per candidate: prompt bits per byte at each scored depth, and of the references.
     pub scores: Vec<ShadowRoundScore>,
 }

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::manifest::Manifest;
-use crate::shadow::ShadowScore;
+use crate::shadow::{DepthNats, ShadowScore};
 use crate::{HeliosError, Result};
 
 use super::depth::coverage_depth;
@@ -73,6 +73,19 @@ pub struct ShadowConfig {
     /// Exit depths read every `exit_stride`-th scored position (full depth reads all): a
     /// paired estimate of each exit's bits per byte at a fraction of the LM-head work.
     pub exit_stride: usize,
+    /// Change point, in bits per byte: when a candidate's distance from the best candidate
+    /// moves by more than this between the window and the newest round alone, the traffic
+    /// has changed. The window then restarts from the newest round (what came before belongs
+    /// to other traffic), and a serving choice that breaks the quality bound on it is left
+    /// at once, without waiting for `switch_after` agreeing rounds: hysteresis is for noise,
+    /// not for a bound the new traffic breaks. `None` turns it off.
+    pub change_margin: Option<f64>,
+    /// A sampled request that arrives while the scorer is idle waits up to this many
+    /// milliseconds for its own prompt's round before it is routed, so that the first
+    /// request of new traffic is already served by the choice its score makes (its time to
+    /// the first token grows by the round's time; requests arriving meanwhile wait behind
+    /// it, in order). 0: never held.
+    pub hold_ms: u64,
 }
 
 impl Default for ShadowConfig {
@@ -86,6 +99,8 @@ impl Default for ShadowConfig {
             switch_after: 2,
             references: true,
             exit_stride: 4,
+            change_margin: Some(0.2),
+            hold_ms: 0,
         }
     }
 }
@@ -109,6 +124,11 @@ impl ShadowConfig {
                 "shadow.sample_every, round, window, switch_after and exit_stride must be at least 1"
                     .into(),
             );
+        }
+        if let Some(m) = self.change_margin.filter(|m| !(m.is_finite() && *m > 0.0)) {
+            return bad(format!(
+                "shadow.change_margin must be a positive number of bits per byte, got {m}"
+            ));
         }
         if self.max_text_bytes < 16 {
             return bad(format!(
@@ -200,6 +220,58 @@ impl Policy {
                 budget_bytes: self.budget_bytes,
                 rejected,
             })
+    }
+}
+
+/// Each scored model's full-depth bits per byte above the best scored model's, on the same
+/// texts (`nats` per model, as the scorer sums them).
+fn excess_over_best(repo: &Manifest, nats: &BTreeMap<String, DepthNats>) -> BTreeMap<String, f64> {
+    let full: BTreeMap<&str, f64> = nats
+        .iter()
+        .filter_map(|(m, n)| Some((m.as_str(), n.bits_per_byte(repo.get(m)?.layers)?)))
+        .collect();
+    let best = full.values().copied().fold(f64::INFINITY, f64::min);
+    full.into_iter()
+        .map(|(m, b)| (m.to_string(), b - best))
+        .collect()
+}
+
+/// Whether the newest round's texts are other traffic than the window before them: some
+/// model's distance from the best model (full depth, bits per byte) differs by more than
+/// `margin` between the two. Prose then code moves a small model from about the coder's
+/// level to far above it; code then prose moves it back.
+pub fn change_point(
+    repo: &Manifest,
+    window: &BTreeMap<String, DepthNats>,
+    newest: &BTreeMap<String, DepthNats>,
+    margin: f64,
+) -> bool {
+    let before = excess_over_best(repo, window);
+    let now = excess_over_best(repo, newest);
+    now.iter()
+        .any(|(m, e)| before.get(m).is_some_and(|b| (e - b).abs() > margin))
+}
+
+impl Policy {
+    /// Whether `serving` breaks the quality bound on `nats`: its bits per byte at its depth
+    /// above the best scored model's full depth by more than `max_bits_per_byte_increase`.
+    /// `false` without a bound or a score for it.
+    pub fn breaks_bound(
+        &self,
+        repo: &Manifest,
+        serving: &Serving,
+        nats: &BTreeMap<String, DepthNats>,
+    ) -> bool {
+        let Some(bound) = self.slo.max_bits_per_byte_increase else {
+            return false;
+        };
+        let best = nats
+            .iter()
+            .filter_map(|(m, n)| n.bits_per_byte(repo.get(m)?.layers))
+            .fold(f64::INFINITY, f64::min);
+        nats.get(&serving.model)
+            .and_then(|n| n.bits_per_byte(serving.depth))
+            .is_some_and(|b| b > best + bound)
     }
 }
 
@@ -415,6 +487,57 @@ memory_bytes = 500000000
         assert!(SwitchGate::new(1).propose(&cur, &coder));
     }
 
+    /// Prompt nats per model with these full-depth bits per byte (over 1,000 bytes).
+    fn nats(full: &[(&str, usize, f64)]) -> BTreeMap<String, DepthNats> {
+        full.iter()
+            .map(|&(m, d, b)| {
+                let n = DepthNats {
+                    bytes: 1000,
+                    tokens: 250,
+                    nats: vec![(d, b * 1000.0 * std::f64::consts::LN_2)],
+                };
+                (m.to_string(), n)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_change_point_is_a_moved_distance_from_the_best_model() {
+        let repo = Manifest::from_toml(REPO, "t").unwrap();
+        let prose = nats(&[("fast", 30, 1.12), ("coder", 24, 1.10)]);
+        let other_prose = nats(&[("fast", 30, 1.31), ("coder", 24, 1.27)]);
+        let code = nats(&[("fast", 30, 0.85), ("coder", 24, 0.50)]);
+        // Harder prose moves both models: the distance between them stays (0.02 → 0.04).
+        assert!(!change_point(&repo, &prose, &other_prose, 0.1));
+        // Code: the fast model goes from 0.02 to 0.35 above the coder, and back.
+        assert!(change_point(&repo, &prose, &code, 0.1));
+        assert!(change_point(&repo, &code, &prose, 0.1));
+        assert!(!change_point(&repo, &prose, &code, 0.4));
+        // Nothing before (the first round) is no change.
+        assert!(!change_point(&repo, &BTreeMap::new(), &code, 0.1));
+    }
+
+    #[test]
+    fn the_bound_is_broken_by_the_serving_depth_against_the_best_full_depth() {
+        let repo = Manifest::from_toml(REPO, "t").unwrap();
+        let fast = Serving {
+            model: "fast".into(),
+            depth: 30,
+        };
+        let code = nats(&[("fast", 30, 0.85), ("coder", 24, 0.50)]);
+        let prose = nats(&[("fast", 30, 1.12), ("coder", 24, 1.10)]);
+        let p = policy(Some(0.1), DepthRule::QualityBound);
+        assert!(p.breaks_bound(&repo, &fast, &code));
+        assert!(!p.breaks_bound(&repo, &fast, &prose));
+        assert!(!policy(None, DepthRule::QualityBound).breaks_bound(&repo, &fast, &code));
+        // A depth that was not scored breaks nothing it can be judged on.
+        let shallow = Serving {
+            model: "fast".into(),
+            depth: 15,
+        };
+        assert!(!p.breaks_bound(&repo, &shallow, &code));
+    }
+
     #[test]
     fn config_is_validated() {
         assert!(ShadowConfig::default().validate().is_ok());
@@ -437,6 +560,14 @@ memory_bytes = 500000000
             },
             ShadowConfig {
                 exit_stride: 0,
+                ..ShadowConfig::default()
+            },
+            ShadowConfig {
+                change_margin: Some(0.0),
+                ..ShadowConfig::default()
+            },
+            ShadowConfig {
+                change_margin: Some(f64::NAN),
                 ..ShadowConfig::default()
             },
         ] {

@@ -100,41 +100,84 @@ impl PackedWeight {
                 Vec::new()
             },
         };
-        let mut decoded: Vec<Sub> = Vec::with_capacity(subs);
-        for row in 0..n {
-            decoded.clear();
-            let bytes = &data[row * row_bytes..(row + 1) * row_bytes];
-            for blk in bytes.chunks_exact(fmt.block_bytes) {
-                decode_block(&fmt, blk, &mut decoded);
-            }
-            let (p, r) = (row / PANEL, row % PANEL);
-            for (s, sub) in decoded.iter().enumerate() {
-                let base = (p * subs + s) * cb;
-                for t in 0..fmt.sub {
-                    let slot = code_slot(fmt.wide, r, t);
-                    let q = sub.q[t];
-                    let low = if fmt.wide { q } else { q & 0xF };
-                    w.codes[base + slot.byte] |= low << slot.shift;
-                    for pl in 0..fmt.planes {
-                        if (q >> (4 + pl)) & 1 == 1 {
-                            let at = (p * subs + s) * per_sub_planes + slot.group * fmt.planes + pl;
-                            w.planes[at] |= 1u64 << slot.bit;
+        // Panels are independent: each task fills its own panels' codes, planes and scales.
+        // Repacking is a large share of loading a model, and of every layer a streaming
+        // scorer reads, so it runs on the compute pool.
+        let (offset_on, sc_on, mn_on) = (!w.offset.is_empty(), !w.sc.is_empty(), !w.mn.is_empty());
+        let mut codes = split_panels(&mut w.codes, panels);
+        let mut planes = split_panels(&mut w.planes, panels);
+        let mut scale = split_panels(&mut w.scale, panels);
+        let mut offset = split_panels(&mut w.offset, panels);
+        let mut sc = split_panels(&mut w.sc, panels);
+        let mut mn = split_panels(&mut w.mn, panels);
+        let panel_parts: Vec<std::sync::Mutex<PanelParts<'_>>> = (0..panels)
+            .rev()
+            .map(|p| {
+                // Popped from the back: panel p's slices, in reverse order of p.
+                let part = PanelParts {
+                    p,
+                    codes: codes.pop().unwrap_or_default(),
+                    planes: planes.pop().unwrap_or_default(),
+                    scale: scale.pop().unwrap_or_default(),
+                    offset: offset.pop().filter(|_| offset_on),
+                    sc: sc.pop().filter(|_| sc_on),
+                    mn: mn.pop().filter(|_| mn_on),
+                };
+                std::sync::Mutex::new(part)
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        let fill = |part: &mut PanelParts<'_>| {
+            let mut decoded: Vec<Sub> = Vec::with_capacity(subs);
+            let p = part.p;
+            for r in 0..PANEL.min(n - p * PANEL) {
+                let row = p * PANEL + r;
+                decoded.clear();
+                let bytes = &data[row * row_bytes..(row + 1) * row_bytes];
+                for blk in bytes.chunks_exact(fmt.block_bytes) {
+                    decode_block(&fmt, blk, &mut decoded);
+                }
+                for (s, sub) in decoded.iter().enumerate() {
+                    let base = s * cb;
+                    for t in 0..fmt.sub {
+                        let slot = code_slot(fmt.wide, r, t);
+                        let q = sub.q[t];
+                        let low = if fmt.wide { q } else { q & 0xF };
+                        part.codes[base + slot.byte] |= low << slot.shift;
+                        for pl in 0..fmt.planes {
+                            if (q >> (4 + pl)) & 1 == 1 {
+                                let at = s * per_sub_planes + slot.group * fmt.planes + pl;
+                                part.planes[at] |= 1u64 << slot.bit;
+                            }
                         }
                     }
-                }
-                let sup = (p * supers + s / fmt.subs_per_super) * PANEL + r;
-                w.scale[sup] = sub.scale;
-                if fmt.has_offset() {
-                    w.offset[sup] = sub.offset;
-                }
-                if fmt.has_sub_scale() {
-                    w.sc[(p * subs + s) * PANEL + r] = sub.sc;
-                }
-                if fmt.kind == pack::Kind::Q4K {
-                    w.mn[(p * subs + s) * PANEL + r] = sub.mn;
+                    let sup = (s / fmt.subs_per_super) * PANEL + r;
+                    part.scale[sup] = sub.scale;
+                    if let Some(offset) = part.offset.as_deref_mut() {
+                        offset[sup] = sub.offset;
+                    }
+                    if let Some(sc) = part.sc.as_deref_mut() {
+                        sc[s * PANEL + r] = sub.sc;
+                    }
+                    if let Some(mn) = part.mn.as_deref_mut() {
+                        mn[s * PANEL + r] = sub.mn;
+                    }
                 }
             }
+        };
+        let run = |i: usize| {
+            if let Ok(mut part) = panel_parts[i].lock() {
+                fill(&mut part);
+            }
+        };
+        if n * k >= PARALLEL_MIN_MACS {
+            crate::pool::run(panels, &run);
+        } else {
+            (0..panels).for_each(run);
         }
+        drop(panel_parts);
         Ok(w)
     }
 
@@ -378,6 +421,31 @@ fn matmul_many_part(
             (t * per..((t + 1) * per).min(total)).for_each(run)
         });
     }
+}
+
+/// `v` cut into `panels` equal consecutive slices (all empty when `v` is).
+fn split_panels<T>(v: &mut [T], panels: usize) -> Vec<&mut [T]> {
+    let size = v.len() / panels.max(1);
+    let mut out = Vec::with_capacity(panels);
+    let mut rest = v;
+    for _ in 0..panels {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(size);
+        out.push(head);
+        rest = tail;
+    }
+    out
+}
+
+/// One panel's share of a [`PackedWeight`]'s arrays while it is filled (offsets, sub-block
+/// scales and mins only for the formats that have them).
+struct PanelParts<'a> {
+    p: usize,
+    codes: &'a mut [u8],
+    planes: &'a mut [u64],
+    scale: &'a mut [f16],
+    offset: Option<&'a mut [f16]>,
+    sc: Option<&'a mut [u8]>,
+    mn: Option<&'a mut [u8]>,
 }
 
 /// One row's input, codes, block scales and sub-block sums.

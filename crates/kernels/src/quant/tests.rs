@@ -29,15 +29,19 @@ fn quantized(dtype: GgmlDType, n: usize, k: usize, seed: u64) -> QTensor {
 
 #[test]
 fn dequantized_rows_equal_ggml() {
-    for dtype in TYPES {
-        let (n, k) = (19, 512);
+    // 19 rows repack on the caller's thread; 300 (a ragged last panel) on the pool.
+    for (dtype, (n, k)) in TYPES
+        .iter()
+        .flat_map(|&t| [(t, (19, 512)), (t, (300, 512))])
+    {
         let q = quantized(dtype, n, k, 1);
         let want: Vec<Vec<f32>> = q.dequantize(&Device::Cpu).unwrap().to_vec2().unwrap();
         let p = PackedWeight::from_qtensor(&q).unwrap().unwrap();
+        assert_eq!(Some(p.bytes()), PackedWeight::planned_bytes(dtype, n, k));
         for (r, want) in want.iter().enumerate() {
             let mut got = vec![0f32; k];
             p.dequantize_row(r, &mut got);
-            assert_eq!(&got, want, "{dtype:?} row {r}");
+            assert_eq!(&got, want, "{dtype:?} {n} x {k} row {r}");
         }
     }
 }
