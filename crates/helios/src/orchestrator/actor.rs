@@ -112,8 +112,8 @@ pub(super) struct State {
     /// Serving another candidate because the chosen one became unreachable: back to the best
     /// of all once every candidate serves again.
     failed_over: bool,
-    /// Requests waiting for a held prompt's round (the held one first), and when the hold
-    /// ends whatever the round says.
+    /// The request waiting for its own prompt's round, and when the hold ends whatever the
+    /// round says.
     held: VecDeque<(Queued, Instant)>,
     hold_until: Option<Instant>,
     /// Rung by every request's outputs, every command and every finished shadow round.
@@ -380,20 +380,27 @@ impl State {
 
     fn submit(&mut self, q: Queued) {
         self.counters.requests += 1;
+        let hold_ms = self.policy.config.shadow.hold_ms;
         let mut hold = false;
         if let Some(sh) = self.shadow.as_mut().filter(|sh| sh.scoring) {
             let every = self.policy.config.shadow.sample_every as u64;
             if (self.counters.requests - 1).is_multiple_of(every) {
                 let references = self.policy.config.shadow.references;
-                sh.pending.push(ShadowText {
+                let text = ShadowText {
                     prompt: q.request.prompt.scored_text(),
                     reference: q.request.reference.clone().filter(|_| references),
-                });
-                // Held only while serving: an evaluation routes by its own plan.
-                hold = self.policy.config.shadow.hold_ms > 0
-                    && !sh.busy
-                    && self.held.is_empty()
-                    && matches!(self.phase, Phase::Serving { .. });
+                };
+                if hold_ms == 0 {
+                    sh.pending.push(text);
+                } else if !sh.busy && matches!(self.phase, Phase::Serving { .. }) {
+                    // Held only while serving: an evaluation routes by its own plan.
+                    sh.pending.push(text);
+                    hold = true;
+                } else {
+                    // Holds take every round: a prompt that arrives while one is scored is
+                    // not scored, so that the scorer is free for the next arrival.
+                    self.counters.shadow_texts_skipped += 1;
+                }
             }
             if hold {
                 // This prompt's round goes now, whatever the round size.
@@ -404,19 +411,17 @@ impl State {
             }
         }
         if hold {
-            let ms = self.policy.config.shadow.hold_ms;
-            self.hold_until = Some(Instant::now() + Duration::from_millis(ms));
+            let now = Instant::now();
+            self.hold_until = Some(now + Duration::from_millis(hold_ms));
             self.counters.held_requests += 1;
-        }
-        if hold || !self.held.is_empty() {
-            // Behind a held request, in arrival order.
-            self.held.push_back((q, Instant::now()));
+            self.held.push_back((q, now));
             return;
         }
+        // Requests arriving during a hold go to the current choice at once.
         self.route(q, true);
     }
 
-    /// Routes the held requests once their round is back or the hold ran out.
+    /// Routes the held request once its round is back or the hold ran out.
     fn release_held(&mut self, timed_out: bool) {
         if self.held.is_empty() {
             return;
@@ -430,7 +435,7 @@ impl State {
         }
     }
 
-    /// Releases the held requests if their hold ran out; `true` if it did.
+    /// Releases the held request if its hold ran out; `true` if it did.
     fn hold_expired(&mut self) -> bool {
         match self.hold_until {
             Some(t) if Instant::now() >= t => {

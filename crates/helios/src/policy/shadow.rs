@@ -81,10 +81,11 @@ pub struct ShadowConfig {
     /// not for a bound the new traffic breaks. `None` turns it off.
     pub change_margin: Option<f64>,
     /// A sampled request that arrives while the scorer is idle waits up to this many
-    /// milliseconds for its own prompt's round before it is routed, so that the first
-    /// request of new traffic is already served by the choice its score makes (its time to
-    /// the first token grows by the round's time; requests arriving meanwhile wait behind
-    /// it, in order). 0: never held.
+    /// milliseconds for its own prompt's round (run unthrottled) before it is routed, so
+    /// that the first request of new traffic is already served by the choice its score
+    /// makes; its time to the first token grows by the round's time. Holds take every round:
+    /// requests arriving during one go to the current choice at once, unscored, and no
+    /// background round is sent. 0: never held (background rounds within `share`).
     pub hold_ms: u64,
 }
 
