@@ -734,9 +734,18 @@ impl DriftReport {
                 points: vec![(x, 0.0), (x, top)],
             });
         }
+        // Short names keep the title inside the picture: up to the second '-'.
+        let bands: Vec<String> = models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let short: Vec<&str> = m.splitn(3, '-').take(2).collect();
+                format!("{} {}", i + 1, short.join("-"))
+            })
+            .collect();
         let title = format!(
-            "Model (band: {}) and depth (within the band) per request",
-            models.join(" < ")
+            "Model per request ({}; below the line: shallower)",
+            bands.join(", ")
         );
         let path = dir.join("served.png");
         line_chart(
