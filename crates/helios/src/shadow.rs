@@ -135,8 +135,6 @@ pub struct Throttle {
     share: f64,
     pub busy: Duration,
     pub slept: Duration,
-    /// Sleep owed for work counted by [`Throttle::owe`], paid with the next sleep.
-    debt: Duration,
 }
 
 impl Throttle {
@@ -146,23 +144,15 @@ impl Throttle {
             share: share.clamp(f64::MIN_POSITIVE, 1.0),
             busy: Duration::ZERO,
             slept: Duration::ZERO,
-            debt: Duration::ZERO,
         }
     }
 
     /// Records `busy` and returns how long to sleep now.
     pub fn after(&mut self, busy: Duration) -> Duration {
         self.busy += busy;
-        let sleep = busy.mul_f64((1.0 - self.share) / self.share) + std::mem::take(&mut self.debt);
+        let sleep = busy.mul_f64((1.0 - self.share) / self.share);
         self.slept += sleep;
         sleep
-    }
-
-    /// Counts `busy` computed elsewhere without sleeping now: the next units of work sleep
-    /// for it as well, so the share over time still holds.
-    pub fn owe(&mut self, busy: Duration) {
-        self.busy += busy;
-        self.debt += busy.mul_f64((1.0 - self.share) / self.share);
     }
 
     /// Busy time over busy plus sleep so far.
@@ -732,18 +722,6 @@ mod tests {
     }
 
     /// Folding a row slice by slice gives what one pass over the whole row gives.
-    #[test]
-    fn owed_work_is_slept_for_with_the_next_unit() {
-        let mut t = Throttle::new(0.5);
-        t.owe(Duration::from_secs(1));
-        assert_eq!(t.busy, Duration::from_secs(1));
-        assert_eq!(t.slept, Duration::ZERO);
-        // The next unit's own sleep plus the owed one.
-        assert_eq!(t.after(Duration::from_secs(1)), Duration::from_secs(2));
-        assert_eq!(t.after(Duration::from_secs(1)), Duration::from_secs(1));
-        assert!((t.share_used() - 0.5).abs() < 1e-9);
-    }
-
     #[test]
     fn a_folded_row_equals_the_whole_row() {
         let row: Vec<f32> = (0..1000)

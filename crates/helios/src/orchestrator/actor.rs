@@ -112,10 +112,8 @@ pub(super) struct State {
     /// Serving another candidate because the chosen one became unreachable: back to the best
     /// of all once every candidate serves again.
     failed_over: bool,
-    /// The request waiting for its own prompt's round, and when the hold ends whatever the
-    /// round says.
-    held: VecDeque<(Queued, Instant)>,
-    hold_until: Option<Instant>,
+    /// The request waiting for its own prompt's round, and since when.
+    held: Option<(Queued, Instant)>,
     /// Rung by every request's outputs, every command and every finished shadow round.
     pub(super) bell: Doorbell,
 }
@@ -149,8 +147,7 @@ struct RoundResult {
 
 /// The scorer thread: scores each round's texts with every candidate in turn, sharing one
 /// throttle so that their total stays within `share`. A round that a held request waits on
-/// (`true` with its texts) runs without sleeping; its compute still counts in the share
-/// used, so later rounds sleep for it.
+/// (`true` with its texts) runs without sleeping; its compute counts in the share used.
 fn run_scorer(
     mut scorers: Vec<ShadowScorer>,
     settings: ScoreSettings,
@@ -180,15 +177,11 @@ fn run_scorer(
                 Ok(out)
             })
             .collect();
-        let (busy, slept) = (active.busy - before.busy, active.slept - before.slept);
-        if held {
-            throttle.owe(busy);
-        }
         let result = RoundResult {
             scores,
             texts: texts.len(),
-            busy,
-            slept,
+            busy: active.busy - before.busy,
+            slept: active.slept - before.slept,
             peak_bytes: fixed + peak,
         };
         if tx.send(result).is_err() {
@@ -308,8 +301,7 @@ impl State {
             shadow,
             budget_total,
             failed_over: false,
-            held: VecDeque::new(),
-            hold_until: None,
+            held: None,
             bell,
         };
         if state.shadow.is_some() {
@@ -411,10 +403,8 @@ impl State {
             }
         }
         if hold {
-            let now = Instant::now();
-            self.hold_until = Some(now + Duration::from_millis(hold_ms));
             self.counters.held_requests += 1;
-            self.held.push_back((q, now));
+            self.held = Some((q, Instant::now()));
             return;
         }
         // Requests arriving during a hold go to the current choice at once.
@@ -423,27 +413,22 @@ impl State {
 
     /// Routes the held request once its round is back or the hold ran out.
     fn release_held(&mut self, timed_out: bool) {
-        if self.held.is_empty() {
+        let Some((q, since)) = self.held.take() else {
             return;
-        }
-        self.hold_until = None;
+        };
         self.counters.hold_timeouts += u64::from(timed_out);
-        let now = Instant::now();
-        while let Some((q, since)) = self.held.pop_front() {
-            self.counters.hold_seconds += (now - since).as_secs_f64();
-            self.route(q, true);
-        }
+        self.counters.hold_seconds += since.elapsed().as_secs_f64();
+        self.route(q, true);
     }
 
     /// Releases the held request if its hold ran out; `true` if it did.
     fn hold_expired(&mut self) -> bool {
-        match self.hold_until {
-            Some(t) if Instant::now() >= t => {
-                self.release_held(true);
-                true
-            }
-            _ => false,
+        let hold = Duration::from_millis(self.policy.config.shadow.hold_ms);
+        let expired = matches!(&self.held, Some((_, since)) if since.elapsed() >= hold);
+        if expired {
+            self.release_held(true);
         }
+        expired
     }
 
     /// Hands `q` to the serving candidate, or to the evaluation; `retry` when it may be sent
@@ -1143,22 +1128,20 @@ impl State {
             }
         };
         let mut switched = false;
-        if let Some(b) = best.as_ref().filter(|b| **b != current) {
+        if let Some(b) = &best {
             // New traffic that the serving choice serves beyond the bound is left at once.
-            let urgent = changed && self.policy.breaks_bound(&self.repo, &current, &newest);
+            let urgent =
+                *b != current && changed && self.policy.breaks_bound(&self.repo, &current, &newest);
             let sh = self.shadow.as_mut().expect("shadow state checked above");
             let agreed = sh.gate.propose(&current, b);
             if urgent || agreed {
                 switched = self.move_to(b.clone());
-                if switched && urgent && !agreed {
+                if switched && !agreed {
                     self.counters.shadow_urgent_switches += 1;
                     let sh = self.shadow.as_mut().expect("shadow state checked above");
                     sh.gate = SwitchGate::new(self.policy.config.shadow.switch_after);
                 }
             }
-        } else if let Some(b) = &best {
-            let sh = self.shadow.as_mut().expect("shadow state checked above");
-            sh.gate.propose(&current, b);
         }
         // Requests held for this round go to what it chose.
         self.release_held(false);
@@ -1404,16 +1387,11 @@ fn slide_window(
     while recent.len() > window.max(1) {
         recent.pop_front();
     }
+    let sums = window_nats(recent);
     scores
         .into_iter()
         .map(|mut s| {
-            let mut sum = DepthNats::default();
-            for text in recent.iter() {
-                if let Some(n) = text.get(&s.model).filter(|n| n.bytes > 0) {
-                    sum.merge(n);
-                }
-            }
-            s.prompt = sum;
+            s.prompt = sums.get(&s.model).cloned().unwrap_or_default();
             (s.model.clone(), s)
         })
         .collect()

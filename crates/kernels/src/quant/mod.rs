@@ -103,31 +103,29 @@ impl PackedWeight {
         // Panels are independent: each task fills its own panels' codes, planes and scales.
         // Repacking is a large share of loading a model, and of every layer a streaming
         // scorer reads, so it runs on the compute pool.
-        let (offset_on, sc_on, mn_on) = (!w.offset.is_empty(), !w.sc.is_empty(), !w.mn.is_empty());
-        let mut codes = split_panels(&mut w.codes, panels);
-        let mut planes = split_panels(&mut w.planes, panels);
-        let mut scale = split_panels(&mut w.scale, panels);
-        let mut offset = split_panels(&mut w.offset, panels);
-        let mut sc = split_panels(&mut w.sc, panels);
-        let mut mn = split_panels(&mut w.mn, panels);
-        let panel_parts: Vec<std::sync::Mutex<PanelParts<'_>>> = (0..panels)
-            .rev()
-            .map(|p| {
-                // Popped from the back: panel p's slices, in reverse order of p.
-                let part = PanelParts {
-                    p,
-                    codes: codes.pop().unwrap_or_default(),
-                    planes: planes.pop().unwrap_or_default(),
-                    scale: scale.pop().unwrap_or_default(),
-                    offset: offset.pop().filter(|_| offset_on),
-                    sc: sc.pop().filter(|_| sc_on),
-                    mn: mn.pop().filter(|_| mn_on),
-                };
-                std::sync::Mutex::new(part)
-            })
-            .collect::<Vec<_>>()
+        let codes = split_panels(&mut w.codes, panels);
+        let planes = split_panels(&mut w.planes, panels);
+        let scale = split_panels(&mut w.scale, panels);
+        let offset = split_panels(&mut w.offset, panels);
+        let sc = split_panels(&mut w.sc, panels);
+        let mn = split_panels(&mut w.mn, panels);
+        let panel_parts: Vec<std::sync::Mutex<PanelParts<'_>>> = codes
             .into_iter()
-            .rev()
+            .zip(planes)
+            .zip(scale.into_iter().zip(offset))
+            .zip(sc.into_iter().zip(mn))
+            .enumerate()
+            .map(|(p, (((codes, planes), (scale, offset)), (sc, mn)))| {
+                std::sync::Mutex::new(PanelParts {
+                    p,
+                    codes,
+                    planes,
+                    scale,
+                    offset,
+                    sc,
+                    mn,
+                })
+            })
             .collect();
         let fill = |part: &mut PanelParts<'_>| {
             let mut decoded: Vec<Sub> = Vec::with_capacity(subs);
@@ -155,14 +153,14 @@ impl PackedWeight {
                     }
                     let sup = (s / fmt.subs_per_super) * PANEL + r;
                     part.scale[sup] = sub.scale;
-                    if let Some(offset) = part.offset.as_deref_mut() {
-                        offset[sup] = sub.offset;
+                    if fmt.has_offset() {
+                        part.offset[sup] = sub.offset;
                     }
-                    if let Some(sc) = part.sc.as_deref_mut() {
-                        sc[s * PANEL + r] = sub.sc;
+                    if fmt.has_sub_scale() {
+                        part.sc[s * PANEL + r] = sub.sc;
                     }
-                    if let Some(mn) = part.mn.as_deref_mut() {
-                        mn[s * PANEL + r] = sub.mn;
+                    if fmt.kind == pack::Kind::Q4K {
+                        part.mn[s * PANEL + r] = sub.mn;
                     }
                 }
             }
@@ -437,15 +435,15 @@ fn split_panels<T>(v: &mut [T], panels: usize) -> Vec<&mut [T]> {
 }
 
 /// One panel's share of a [`PackedWeight`]'s arrays while it is filled (offsets, sub-block
-/// scales and mins only for the formats that have them).
+/// scales and mins are empty for the formats without them).
 struct PanelParts<'a> {
     p: usize,
     codes: &'a mut [u8],
     planes: &'a mut [u64],
     scale: &'a mut [f16],
-    offset: Option<&'a mut [f16]>,
-    sc: Option<&'a mut [u8]>,
-    mn: Option<&'a mut [u8]>,
+    offset: &'a mut [f16],
+    sc: &'a mut [u8],
+    mn: &'a mut [u8],
 }
 
 /// One row's input, codes, block scales and sub-block sums.
