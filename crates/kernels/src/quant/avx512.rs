@@ -5,18 +5,33 @@
 use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
-use super::{pack::Kind, PackedWeight, QActs, MAX_TILE, PANEL};
+use super::{pack::Kind, PackedWeight, QActs, ACT_BLOCK, MAX_TILE, PANEL};
 
-/// `(d, m)` vectors of (panel `p`, sub-block `s`), by the reference's f32 operations.
+// The source type as a const parameter (`Kind` cannot be one on stable Rust), so that each
+// instance computes its scales without a branch and inlines them.
+const Q4_0: u8 = 0;
+const Q4_1: u8 = 1;
+const Q5_0: u8 = 2;
+const Q8_0: u8 = 3;
+const Q4K: u8 = 4;
+const Q6K: u8 = 5;
+
+/// `(d, m)` vectors of (panel `p`, sub-block `s`) of a `KIND` matrix, by the reference's f32
+/// operations.
 ///
 /// # Safety
-/// The CPU must support avx512f.
+/// The CPU must support avx512f, and `w` must be of `KIND`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn scale_offset(w: &PackedWeight, p: usize, s: usize) -> (__m512, __m512) {
-    let fmt = &w.fmt;
+#[inline]
+unsafe fn scale_offset<const KIND: u8>(w: &PackedWeight, p: usize, s: usize) -> (__m512, __m512) {
     let subs = w.subs();
-    let sup = (p * (subs / fmt.subs_per_super) + s / fmt.subs_per_super) * PANEL;
+    let per_super = match KIND {
+        Q4K => 8,
+        Q6K => 16,
+        _ => 1,
+    };
+    let sup = (p * (subs / per_super) + s / per_super) * PANEL;
     let sub = (p * subs + s) * PANEL;
     let f16x16 = |v: &[half::f16], at: usize| {
         _mm512_cvtph_ps(_mm256_loadu_si256(
@@ -31,12 +46,12 @@ pub(super) unsafe fn scale_offset(w: &PackedWeight, p: usize, s: usize) -> (__m5
         ))
     };
     let d0 = f16x16(&w.scale, sup);
-    match fmt.kind {
-        Kind::Q4_0 => (d0, _mm512_mul_ps(_mm512_set1_ps(-8.0), d0)),
-        Kind::Q5_0 => (d0, _mm512_mul_ps(_mm512_set1_ps(-16.0), d0)),
-        Kind::Q8_0 => (d0, _mm512_mul_ps(_mm512_set1_ps(-128.0), d0)),
-        Kind::Q4_1 => (d0, f16x16(&w.offset, sup)),
-        Kind::Q4K => {
+    match KIND {
+        Q4_0 => (d0, _mm512_mul_ps(_mm512_set1_ps(-8.0), d0)),
+        Q5_0 => (d0, _mm512_mul_ps(_mm512_set1_ps(-16.0), d0)),
+        Q8_0 => (d0, _mm512_mul_ps(_mm512_set1_ps(-128.0), d0)),
+        Q4_1 => (d0, f16x16(&w.offset, sup)),
+        Q4K => {
             let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(&w.sc, sub)));
             let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(&w.mn, sub)));
             (
@@ -44,7 +59,7 @@ pub(super) unsafe fn scale_offset(w: &PackedWeight, p: usize, s: usize) -> (__m5
                 neg(_mm512_mul_ps(f16x16(&w.offset, sup), mn)),
             )
         }
-        Kind::Q6K => {
+        _ => {
             let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(&w.sc, sub)));
             let d = _mm512_mul_ps(d0, sc);
             (d, _mm512_mul_ps(_mm512_set1_ps(-32.0), d))
@@ -63,34 +78,82 @@ pub(super) unsafe fn panel(
     rows: std::ops::Range<usize>,
     tile: &mut [[f32; PANEL]; MAX_TILE],
 ) {
-    // One instance per storage shape, so the group loops unroll and branch-free.
-    match (w.fmt.groups(), w.fmt.wide, w.fmt.planes) {
-        (8, true, _) => panel_impl::<8, true, 0>(w, p, acts, rows, tile),
-        (8, false, 0) => panel_impl::<8, false, 0>(w, p, acts, rows, tile),
-        (8, false, 1) => panel_impl::<8, false, 1>(w, p, acts, rows, tile),
-        (4, false, 2) => panel_impl::<4, false, 2>(w, p, acts, rows, tile),
+    // One instance per source type, so the group loops unroll and branch-free.
+    match (w.fmt.kind, w.fmt.groups(), w.fmt.wide, w.fmt.planes) {
+        (Kind::Q8_0, 8, true, 0) => panel_impl::<8, true, 0, Q8_0>(w, p, acts, rows, tile),
+        (Kind::Q4_0, 8, false, 0) => panel_impl::<8, false, 0, Q4_0>(w, p, acts, rows, tile),
+        (Kind::Q4_1, 8, false, 0) => panel_impl::<8, false, 0, Q4_1>(w, p, acts, rows, tile),
+        (Kind::Q4K, 8, false, 0) => panel_impl::<8, false, 0, Q4K>(w, p, acts, rows, tile),
+        (Kind::Q5_0, 8, false, 1) => panel_impl::<8, false, 1, Q5_0>(w, p, acts, rows, tile),
+        (Kind::Q6K, 4, false, 2) => panel_impl::<4, false, 2, Q6K>(w, p, acts, rows, tile),
         _ => super::scalar::panel(w, p, acts, rows, tile),
     }
 }
 
+/// Dispatches on the number of activation rows, so that every row's accumulator stays in a
+/// register (a run-time row count kept them on the stack, with a load and a store per update).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[inline]
-unsafe fn panel_impl<const GROUPS: usize, const WIDE: bool, const PLANES: usize>(
+unsafe fn panel_impl<
+    const GROUPS: usize,
+    const WIDE: bool,
+    const PLANES: usize,
+    const KIND: u8,
+>(
     w: &PackedWeight,
     p: usize,
     acts: &QActs,
     rows: std::ops::Range<usize>,
     tile: &mut [[f32; PANEL]; MAX_TILE],
 ) {
+    const _: () = assert!(MAX_TILE == 8);
+    match rows.len() {
+        8 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 8>(w, p, acts, rows.start, tile),
+        7 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 7>(w, p, acts, rows.start, tile),
+        6 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 6>(w, p, acts, rows.start, tile),
+        5 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 5>(w, p, acts, rows.start, tile),
+        4 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 4>(w, p, acts, rows.start, tile),
+        3 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 3>(w, p, acts, rows.start, tile),
+        2 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 2>(w, p, acts, rows.start, tile),
+        1 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 1>(w, p, acts, rows.start, tile),
+        _ => {}
+    }
+}
+
+/// Panel `p` for the `ROWS` activation rows from `first`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn panel_rows<
+    const GROUPS: usize,
+    const WIDE: bool,
+    const PLANES: usize,
+    const KIND: u8,
+    const ROWS: usize,
+>(
+    w: &PackedWeight,
+    p: usize,
+    acts: &QActs,
+    first: usize,
+    tile: &mut [[f32; PANEL]; MAX_TILE],
+) {
     let sub = GROUPS * 4;
     let subs = w.subs();
     let cb = w.fmt.code_bytes();
     let per_sub_planes = GROUPS * PLANES;
-    let n_rows = rows.len();
     let codes = &w.codes[p * subs * cb..(p + 1) * subs * cb];
+    let planes = &w.planes[p * subs * per_sub_planes..(p + 1) * subs * per_sub_planes];
+    // Each row's codes, block scales and sub-block sums, checked once here; the loop below
+    // reads them through raw pointers at offsets below `subs * sub`, `subs * sub / ACT_BLOCK`
+    // and `subs`.
+    let x_rows: [*const i32; ROWS] =
+        std::array::from_fn(|t| acts.row(first + t)[..subs * sub].as_ptr() as *const i32);
+    let d_rows: [*const f32; ROWS] = std::array::from_fn(|t| acts.row_scales(first + t).as_ptr());
+    let s_rows: [*const f32; ROWS] =
+        std::array::from_fn(|t| acts.row_sums(first + t)[..subs].as_ptr());
     let mask = _mm512_set1_epi8(0x0F);
-    let mut acc = [_mm512_setzero_ps(); MAX_TILE];
+    let mut acc = [_mm512_setzero_ps(); ROWS];
     let mut wv = [_mm512_setzero_si512(); GROUPS];
     for s in 0..subs {
         let block = codes[s * cb..(s + 1) * cb].as_ptr();
@@ -105,7 +168,7 @@ unsafe fn panel_impl<const GROUPS: usize, const WIDE: bool, const PLANES: usize>
                 wv[2 * seg + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
             }
             if PLANES > 0 {
-                let planes = &w.planes[(p * subs + s) * per_sub_planes..][..per_sub_planes];
+                let planes = &planes[s * per_sub_planes..(s + 1) * per_sub_planes];
                 for (g, v) in wv.iter_mut().enumerate() {
                     for pl in 0..PLANES {
                         let high = _mm512_set1_epi8(16 << pl);
@@ -114,28 +177,43 @@ unsafe fn panel_impl<const GROUPS: usize, const WIDE: bool, const PLANES: usize>
                 }
             }
         }
-        let (dv, mv) = scale_offset(w, p, s);
-        for (t, a) in acc.iter_mut().enumerate().take(n_rows) {
-            let i = rows.start + t;
-            let x = acts.row(i)[s * sub..(s + 1) * sub].as_ptr() as *const i32;
-            // Two independent chains of dot products (even and odd groups): one row alone
-            // would otherwise wait on each `vpdpbusd` in turn. Integer sums are exact, so the
-            // split changes no bit.
-            let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-            for g in (0..GROUPS).step_by(2) {
-                // SAFETY: x points at `sub` = 4 * GROUPS activation bytes.
-                let (w0, w1) = (x.add(g).read_unaligned(), x.add(g + 1).read_unaligned());
-                even = _mm512_dpbusd_epi32(even, wv[g], _mm512_set1_epi32(w0));
-                odd = _mm512_dpbusd_epi32(odd, wv[g + 1], _mm512_set1_epi32(w1));
-            }
-            let isum = _mm512_add_epi32(even, odd);
-            let t1 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(isum));
-            let t2 = _mm512_mul_ps(mv, _mm512_set1_ps(acts.sub_sum(i, s) as f32));
-            let dx = _mm512_set1_ps(acts.scale(i, s * sub));
-            *a = _mm512_add_ps(*a, _mm512_mul_ps(dx, _mm512_add_ps(t1, t2)));
+        let (dv, mv) = scale_offset::<KIND>(w, p, s);
+        let block_of_sub = s * sub / ACT_BLOCK;
+        // One row's update; written out per row below (a loop over `ROWS` stayed rolled, with
+        // the accumulators on the stack).
+        macro_rules! row {
+            ($t:literal) => {
+                if $t < ROWS {
+                    // SAFETY: `s * sub + 4 * GROUPS <= subs * sub` codes, block
+                    // `s * sub / 32` and sum `s` lie inside the row slices checked above.
+                    let x = x_rows[$t].add(s * GROUPS);
+                    // Two independent chains of dot products (even and odd groups): one row
+                    // alone would otherwise wait on each `vpdpbusd` in turn. Integer sums are
+                    // exact, so the split changes no bit.
+                    let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                    for g in (0..GROUPS).step_by(2) {
+                        let (w0, w1) = (x.add(g).read_unaligned(), x.add(g + 1).read_unaligned());
+                        even = _mm512_dpbusd_epi32(even, wv[g], _mm512_set1_epi32(w0));
+                        odd = _mm512_dpbusd_epi32(odd, wv[g + 1], _mm512_set1_epi32(w1));
+                    }
+                    let isum = _mm512_add_epi32(even, odd);
+                    let t1 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(isum));
+                    let t2 = _mm512_mul_ps(mv, _mm512_set1_ps(*s_rows[$t].add(s)));
+                    let dx = _mm512_set1_ps(*d_rows[$t].add(block_of_sub));
+                    acc[$t] = _mm512_add_ps(acc[$t], _mm512_mul_ps(dx, _mm512_add_ps(t1, t2)));
+                }
+            };
         }
+        row!(0);
+        row!(1);
+        row!(2);
+        row!(3);
+        row!(4);
+        row!(5);
+        row!(6);
+        row!(7);
     }
-    for t in 0..n_rows {
-        _mm512_storeu_ps(tile[t].as_mut_ptr(), acc[t]);
+    for (t, a) in acc.iter().enumerate() {
+        _mm512_storeu_ps(tile[t].as_mut_ptr(), *a);
     }
 }

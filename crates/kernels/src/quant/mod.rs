@@ -486,6 +486,8 @@ pub(crate) struct QActs {
     d: Vec<f32>,
     /// Sum of `q` per weight sub-block, `[rows][k / sub]`.
     sum: Vec<i32>,
+    /// The same sums as f32 (exact: |sum| <= 32 * 127), for kernels that broadcast them.
+    sum_f32: Vec<f32>,
     sub: usize,
 }
 
@@ -521,7 +523,15 @@ impl QActs {
         } else {
             parts.iter_mut().for_each(one_row);
         }
-        Self { k, q, d, sum, sub }
+        let sum_f32 = sum.iter().map(|&v| v as f32).collect();
+        Self {
+            k,
+            q,
+            d,
+            sum,
+            sum_f32,
+            sub,
+        }
     }
 
     #[inline(always)]
@@ -538,6 +548,20 @@ impl QActs {
     #[inline(always)]
     fn sub_sum(&self, i: usize, s: usize) -> i32 {
         self.sum[i * (self.k / self.sub) + s]
+    }
+
+    /// Row `i`'s block scales, `[k / ACT_BLOCK]`.
+    #[inline(always)]
+    fn row_scales(&self, i: usize) -> &[f32] {
+        let nb = self.k / ACT_BLOCK;
+        &self.d[i * nb..(i + 1) * nb]
+    }
+
+    /// Row `i`'s sub-block sums as f32, `[k / sub]`.
+    #[inline(always)]
+    fn row_sums(&self, i: usize) -> &[f32] {
+        let ns = self.k / self.sub;
+        &self.sum_f32[i * ns..(i + 1) * ns]
     }
 }
 
