@@ -186,6 +186,62 @@ pub fn sum_exp(xs: &[f32], m: f32) -> f64 {
     sum_exp_body(xs, m)
 }
 
+/// √(2/π), as candle's GELU takes it.
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+
+/// GELU with the tanh approximation (Gemma's MLP activation), through the vectorized exp:
+/// with u = √(2/π)·x·(1 + 0.044715·x²) and t = e^(−2|u|) ≤ 1,
+/// 0.5·x·(1 + tanh u) = x / (1 + t) for u ≥ 0 and x·t / (1 + t) for u < 0. Both forms avoid
+/// the cancellation of 1 + tanh u for negative u. libm's `tanhf` per element (candle's GELU)
+/// took a tenth of a Gemma 3 prompt pass.
+#[inline(always)]
+fn gelu_tanh(x: f32) -> f32 {
+    let u = SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x);
+    let t = exp_nonpositive(-2.0 * u.abs());
+    let num = if u >= 0.0 { x } else { x * t };
+    num / (1.0 + t)
+}
+
+#[inline(always)]
+fn gelu_tanh_mul_body(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = gelu_tanh(g) * u;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gelu_tanh_mul_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    gelu_tanh_mul_body(gate, up, out)
+}
+
+/// See [`sum_exp_avx512`]: the same operations in 512-bit registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn gelu_tanh_mul_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    gelu_tanh_mul_body(gate, up, out)
+}
+
+/// `out[i] = gelu_tanh(gate[i]) * up[i]`, the gated MLP's activation in one pass; the same
+/// bits on every instruction set. The three slices must have the same length.
+pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(
+        gate.len() == out.len() && up.len() == out.len(),
+        "gate, up and output lengths"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::simd_level() >= crate::cpu::SimdLevel::Avx512 {
+        // SAFETY: AVX-512 F (with AVX2 and FMA) was detected on this CPU.
+        return unsafe { gelu_tanh_mul_avx512(gate, up, out) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::simd_level() >= crate::cpu::SimdLevel::Avx2 {
+        // SAFETY: AVX2 and FMA were detected on this CPU (every level from Avx2 up has them).
+        return unsafe { gelu_tanh_mul_avx2(gate, up, out) };
+    }
+    gelu_tanh_mul_body(gate, up, out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -293,5 +349,40 @@ mod tests {
                 assert_eq!(avx2.to_bits(), got.to_bits(), "n {n}: AVX2 path");
             }
         }
+    }
+
+    #[test]
+    fn gelu_is_within_its_bound_and_the_same_bits_on_every_path() {
+        let xs: Vec<f32> = (0..24_001).map(|i| i as f32 / 1000.0 - 12.0).collect();
+        let ups: Vec<f32> = xs.iter().map(|x| 1.0 + x / 16.0).collect();
+        let mut got = vec![0f32; xs.len()];
+        gelu_tanh_mul(&xs, &ups, &mut got);
+        let mut portable = vec![0f32; xs.len()];
+        gelu_tanh_mul_body(&xs, &ups, &mut portable);
+        assert!(got
+            .iter()
+            .zip(&portable)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        let mut worst = 0f64;
+        for ((&x, &u), &g) in xs.iter().zip(&ups).zip(&got) {
+            let x64 = f64::from(x);
+            let inner = 0.797_884_560_802_865_4 * x64 * (1.0 + 0.044715 * x64 * x64);
+            // 0.5·x·(1 + tanh u) written as x / (1 + e^(−2u)): exact in f64 where 1 + tanh u
+            // would cancel to zero.
+            let want = x64 / (1.0 + (-2.0 * inner).exp()) * f64::from(u);
+            let err = (f64::from(g) - want).abs();
+            // 1e-6 relative, plus f32's rounding of u amplified by the exponential in the
+            // negative tail (d e^(2u) / e^(2u) = 2 du), where the values are below 1e-20.
+            let bound = (1e-6 + 6e-7 * inner.abs()) * want.abs() + 1e-30;
+            assert!(err <= bound, "x {x}: {g} vs {want}");
+            if want != 0.0 {
+                worst = worst.max(err / want.abs());
+            }
+        }
+        assert!(worst > 0.0, "the comparison ran");
+        assert_eq!(gelu_tanh(0.0), 0.0);
+        // Far tails: the identity above and zero below.
+        assert_eq!(gelu_tanh(30.0), 30.0);
+        assert!(gelu_tanh(-30.0).abs() < 1e-30);
     }
 }

@@ -5,6 +5,7 @@ use std::ops::Range;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
+use switchyard_kernels::fastmath;
 use switchyard_kernels::prof::{self, Part};
 use switchyard_kernels::QLinear;
 use switchyard_weights::{names, Activation, RopeStyle, WeightSource};
@@ -342,14 +343,53 @@ impl GatedMlp {
             .map_err(|_| candle_core::Error::Msg("gate/up projections".into()))?;
         let gated = {
             let _t = prof::time(Part::Activation);
-            let act = match self.activation {
-                Activation::Silu => candle_nn::ops::silu(&gate)?,
-                Activation::GeluTanh => gate.gelu()?,
-            };
-            (act * up)?
+            match self.activation {
+                Activation::Silu => (candle_nn::ops::silu(&gate)? * up)?,
+                Activation::GeluTanh => gelu_tanh_mul(&gate, &up)?,
+            }
         };
         Ok(self.down.forward(&gated)?)
     }
+}
+
+/// `gelu_tanh(gate) * up` in one pass over both (the vectorized GELU of
+/// [`switchyard_kernels::fastmath::gelu_tanh_mul`]), read in place when both are contiguous f32
+/// on the CPU.
+fn gelu_tanh_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    use candle_core::{CpuStorage, Storage};
+    if gate.shape() != up.shape() {
+        return Err(candle_core::Error::Msg(format!(
+            "gelu_tanh_mul: gate {:?} and up {:?} differ in shape",
+            gate.shape(),
+            up.shape()
+        ))
+        .into());
+    }
+    let mut out = vec![0f32; gate.elem_count()];
+    let in_place = {
+        let (gs, gl) = gate.storage_and_layout();
+        let (us, ul) = up.storage_and_layout();
+        match (&*gs, gl.contiguous_offsets(), &*us, ul.contiguous_offsets()) {
+            (
+                Storage::Cpu(CpuStorage::F32(g)),
+                Some((g0, g1)),
+                Storage::Cpu(CpuStorage::F32(u)),
+                Some((u0, u1)),
+            ) => {
+                fastmath::gelu_tanh_mul(&g[g0..g1], &u[u0..u1], &mut out);
+                true
+            }
+            _ => false,
+        }
+    };
+    if !in_place {
+        // Other layouts, types or devices: through copies (after the storage locks above
+        // are released).
+        let g = gate.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let u = up.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        fastmath::gelu_tanh_mul(&g, &u, &mut out);
+    }
+    Ok(Tensor::from_vec(out, gate.shape(), gate.device())?.to_dtype(gate.dtype())?)
 }
 
 /// `x + h`, the residual connection.

@@ -95,12 +95,7 @@ pub(super) unsafe fn panel(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[inline]
-unsafe fn panel_impl<
-    const GROUPS: usize,
-    const WIDE: bool,
-    const PLANES: usize,
-    const KIND: u8,
->(
+unsafe fn panel_impl<const GROUPS: usize, const WIDE: bool, const PLANES: usize, const KIND: u8>(
     w: &PackedWeight,
     p: usize,
     acts: &QActs,
