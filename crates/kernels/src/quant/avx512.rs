@@ -59,6 +59,7 @@ unsafe fn scale_offset<const KIND: u8>(w: &PackedWeight, p: usize, s: usize) -> 
                 neg(_mm512_mul_ps(f16x16(&w.offset, sup), mn)),
             )
         }
+        // Q6K
         _ => {
             let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(&w.sc, sub)));
             let d = _mm512_mul_ps(d0, sc);
@@ -112,6 +113,7 @@ unsafe fn panel_impl<const GROUPS: usize, const WIDE: bool, const PLANES: usize,
         3 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 3>(w, p, acts, rows.start, tile),
         2 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 2>(w, p, acts, rows.start, tile),
         1 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 1>(w, p, acts, rows.start, tile),
+        // No rows: nothing to compute (callers never pass more than MAX_TILE, asserted above).
         _ => {}
     }
 }
