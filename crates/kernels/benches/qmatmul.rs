@@ -18,27 +18,40 @@ const SHAPES: [(GgmlDType, usize, usize); 6] = [
     (GgmlDType::Q6K, 896, 4864),
 ];
 
+/// A random `[n, k]` matrix quantized to `dtype`, and its packed form.
+fn weights(dtype: GgmlDType, n: usize, k: usize) -> (QTensor, PackedWeight) {
+    let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+    let q = QTensor::quantize(&w, dtype).unwrap();
+    let packed = PackedWeight::from_qtensor(&q).unwrap().unwrap();
+    (q, packed)
+}
+
+/// One group: ours on `rows` random activation rows, and candle's when given.
+fn product(c: &mut Criterion, packed: &PackedWeight, candle: Option<&QMatMul>, rows: usize) {
+    let (n, k) = (packed.rows(), packed.cols());
+    let x = Tensor::randn(0f32, 1.0, (rows, k), &Device::Cpu).unwrap();
+    let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+    let mut out = vec![0f32; rows * n];
+    let mut g = c.benchmark_group(format!("{:?}_{n}x{k}_rows{rows}", packed.dtype()));
+    g.throughput(Throughput::Elements((2 * rows * n * k) as u64));
+    g.sample_size(if rows > 64 { 10 } else { 20 });
+    g.bench_function(BenchmarkId::new("switchyard", rows), |b| {
+        b.iter(|| packed.matmul(&xs, rows, &mut out))
+    });
+    if let Some(candle) = candle {
+        g.bench_function(BenchmarkId::new("candle", rows), |b| {
+            b.iter(|| candle.forward(&x).unwrap())
+        });
+    }
+    g.finish();
+}
+
 fn bench(c: &mut Criterion) {
-    let dev = Device::Cpu;
     for (dtype, n, k) in SHAPES {
-        let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
-        let q = QTensor::quantize(&w, dtype).unwrap();
-        let packed = PackedWeight::from_qtensor(&q).unwrap().unwrap();
+        let (q, packed) = weights(dtype, n, k);
         let candle = QMatMul::from_qtensor(q).unwrap();
         for rows in [1usize, 64] {
-            let x = Tensor::randn(0f32, 1.0, (rows, k), &dev).unwrap();
-            let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-            let mut out = vec![0f32; rows * n];
-            let mut g = c.benchmark_group(format!("{dtype:?}_{n}x{k}_rows{rows}"));
-            g.throughput(Throughput::Elements((2 * rows * n * k) as u64));
-            g.sample_size(20);
-            g.bench_function(BenchmarkId::new("switchyard", rows), |b| {
-                b.iter(|| packed.matmul(&xs, rows, &mut out))
-            });
-            g.bench_function(BenchmarkId::new("candle", rows), |b| {
-                b.iter(|| candle.forward(&x).unwrap())
-            });
-            g.finish();
+            product(c, &packed, Some(&candle), rows);
         }
     }
 }
@@ -52,22 +65,8 @@ const PROMPT_SHAPES: [(GgmlDType, usize, usize); 4] = [
 ];
 
 fn bench_prompt(c: &mut Criterion) {
-    let dev = Device::Cpu;
-    let rows = 512;
     for (dtype, n, k) in PROMPT_SHAPES {
-        let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
-        let q = QTensor::quantize(&w, dtype).unwrap();
-        let packed = PackedWeight::from_qtensor(&q).unwrap().unwrap();
-        let x = Tensor::randn(0f32, 1.0, (rows, k), &dev).unwrap();
-        let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
-        let mut out = vec![0f32; rows * n];
-        let mut g = c.benchmark_group(format!("{dtype:?}_{n}x{k}_rows{rows}"));
-        g.throughput(Throughput::Elements((2 * rows * n * k) as u64));
-        g.sample_size(10);
-        g.bench_function(BenchmarkId::new("switchyard", rows), |b| {
-            b.iter(|| packed.matmul(&xs, rows, &mut out))
-        });
-        g.finish();
+        product(c, &weights(dtype, n, k).1, None, 512);
     }
 }
 

@@ -353,8 +353,7 @@ impl GatedMlp {
 }
 
 /// `gelu_tanh(gate) * up` in one pass over both (the vectorized GELU of
-/// [`switchyard_kernels::fastmath::gelu_tanh_mul`]), read in place when both are contiguous f32
-/// on the CPU.
+/// [`switchyard_kernels::fastmath::gelu_tanh_mul`]), read in place.
 fn gelu_tanh_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     use candle_core::{CpuStorage, Storage};
     if gate.shape() != up.shape() {
@@ -365,29 +364,25 @@ fn gelu_tanh_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         ))
         .into());
     }
-    let mut out = vec![0f32; gate.elem_count()];
-    let in_place = {
-        let (gs, gl) = gate.storage_and_layout();
-        let (us, ul) = up.storage_and_layout();
-        match (&*gs, gl.contiguous_offsets(), &*us, ul.contiguous_offsets()) {
-            (
-                Storage::Cpu(CpuStorage::F32(g)),
-                Some((g0, g1)),
-                Storage::Cpu(CpuStorage::F32(u)),
-                Some((u0, u1)),
-            ) => {
-                fastmath::gelu_tanh_mul(&g[g0..g1], &u[u0..u1], &mut out);
-                true
-            }
-            _ => false,
-        }
-    };
-    if !in_place {
-        // Other layouts, types or devices: through copies (after the storage locks above
-        // are released).
-        let g = gate.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        let u = up.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        fastmath::gelu_tanh_mul(&g, &u, &mut out);
+    // No copies for the contiguous f32 outputs the projections give.
+    let (g, u) = (
+        gate.contiguous()?.to_dtype(DType::F32)?,
+        up.contiguous()?.to_dtype(DType::F32)?,
+    );
+    let mut out = vec![0f32; g.elem_count()];
+    {
+        let (gs, gl) = g.storage_and_layout();
+        let (us, ul) = u.storage_and_layout();
+        let (
+            Storage::Cpu(CpuStorage::F32(gv)),
+            Some((g0, g1)),
+            Storage::Cpu(CpuStorage::F32(uv)),
+            Some((u0, u1)),
+        ) = (&*gs, gl.contiguous_offsets(), &*us, ul.contiguous_offsets())
+        else {
+            return Err(candle_core::Error::Msg("gelu_tanh_mul runs on CPU tensors".into()).into());
+        };
+        fastmath::gelu_tanh_mul(&gv[g0..g1], &uv[u0..u1], &mut out);
     }
     Ok(Tensor::from_vec(out, gate.shape(), gate.device())?.to_dtype(gate.dtype())?)
 }

@@ -115,11 +115,11 @@ pub(super) unsafe fn panel(
                 }
             }
             if fmt.wide {
-                let back = _mm256_set1_epi32(128 * xsum);
+                let back = _mm256_set1_epi32(128 * xsum as i32);
                 isum[0] = _mm256_add_epi32(isum[0], back);
                 isum[1] = _mm256_add_epi32(isum[1], back);
             }
-            let xs = _mm256_set1_ps(xsum as f32);
+            let xs = _mm256_set1_ps(xsum);
             let dx = _mm256_set1_ps(acts.scale(i, s * sub));
             for h in 0..2 {
                 let t1 = _mm256_mul_ps(dv[h], _mm256_cvtepi32_ps(isum[h]));

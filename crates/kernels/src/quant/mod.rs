@@ -447,7 +447,7 @@ struct PanelParts<'a> {
 }
 
 /// One row's input, codes, block scales and sub-block sums.
-type RowParts<'a> = ((&'a [f32], &'a mut [i8]), (&'a mut [f32], &'a mut [i32]));
+type RowParts<'a> = ((&'a [f32], &'a mut [i8]), (&'a mut [f32], &'a mut [f32]));
 
 /// Activation values above which quantizing them is split across threads.
 const PARALLEL_MIN_QUANT: usize = 1 << 15;
@@ -484,10 +484,9 @@ pub(crate) struct QActs {
     q: Vec<i8>,
     /// `[rows][k / ACT_BLOCK]`
     d: Vec<f32>,
-    /// Sum of `q` per weight sub-block, `[rows][k / sub]`.
-    sum: Vec<i32>,
-    /// The same sums as f32 (exact: |sum| <= 32 * 127), for kernels that broadcast them.
-    sum_f32: Vec<f32>,
+    /// Sum of `q` per weight sub-block, `[rows][k / sub]`, as f32 (exact: |sum| <= 32 * 127),
+    /// the form the float update takes and the AVX-512 kernel broadcasts.
+    sum: Vec<f32>,
     sub: usize,
 }
 
@@ -496,11 +495,11 @@ impl QActs {
         let nb = k / ACT_BLOCK;
         let mut q = vec![0i8; rows * k];
         let mut d = vec![0f32; rows * nb];
-        let mut sum = vec![0i32; rows * (k / sub)];
+        let mut sum = vec![0f32; rows * (k / sub)];
         let one_row = |((xr, qr), (dr, sr)): &mut RowParts<'_>| {
             quantize_row(xr, qr, dr);
             for (s, c) in sr.iter_mut().zip(qr.chunks_exact(sub)) {
-                *s = c.iter().map(|&v| v as i32).sum();
+                *s = c.iter().map(|&v| v as i32).sum::<i32>() as f32;
             }
         };
         let mut parts: Vec<RowParts<'_>> = x
@@ -523,15 +522,7 @@ impl QActs {
         } else {
             parts.iter_mut().for_each(one_row);
         }
-        let sum_f32 = sum.iter().map(|&v| v as f32).collect();
-        Self {
-            k,
-            q,
-            d,
-            sum,
-            sum_f32,
-            sub,
-        }
+        Self { k, q, d, sum, sub }
     }
 
     #[inline(always)]
@@ -546,7 +537,7 @@ impl QActs {
     }
 
     #[inline(always)]
-    fn sub_sum(&self, i: usize, s: usize) -> i32 {
+    fn sub_sum(&self, i: usize, s: usize) -> f32 {
         self.sum[i * (self.k / self.sub) + s]
     }
 
@@ -561,7 +552,7 @@ impl QActs {
     #[inline(always)]
     fn row_sums(&self, i: usize) -> &[f32] {
         let ns = self.k / self.sub;
-        &self.sum_f32[i * ns..(i + 1) * ns]
+        &self.sum[i * ns..(i + 1) * ns]
     }
 }
 

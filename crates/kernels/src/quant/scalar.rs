@@ -24,7 +24,7 @@ pub(super) fn panel(
         for (t, i) in rows.clone().enumerate() {
             let x = &acts.row(i)[s * sub..(s + 1) * sub];
             let dx = acts.scale(i, s * sub);
-            let xs = acts.sub_sum(i, s) as f32;
+            let xs = acts.sub_sum(i, s);
             for r in 0..PANEL {
                 let isum: i32 = codes[r][..sub]
                     .iter()
