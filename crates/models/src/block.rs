@@ -49,14 +49,22 @@ impl RmsNorm {
         }
     }
 
-    /// Normalises over the last dimension, which must equal the weight's length.
+    /// Normalises over the last dimension, which must equal the weight's length
+    /// ([`fastmath::rms_norm`]).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _t = prof::time(Part::Norm);
-        Ok(candle_nn::ops::rms_norm(
-            &x.contiguous()?,
-            &self.weight,
-            self.eps,
-        )?)
+        let n = self.weight.elem_count();
+        if x.dims().last() != Some(&n) {
+            return Err(candle_core::Error::Msg(format!(
+                "rms norm of {n} values applied to rows of shape {:?}",
+                x.shape()
+            ))
+            .into());
+        }
+        let out = elementwise([x, &self.weight], x.elem_count(), |[xs, w], out| {
+            fastmath::rms_norm(xs, w, self.eps, out)
+        })?;
+        Ok(Tensor::from_vec(out, x.shape(), x.device())?.to_dtype(x.dtype())?)
     }
 
     pub fn bytes(&self) -> usize {
@@ -344,6 +352,10 @@ impl GatedMlp {
         let gated = {
             let _t = prof::time(Part::Activation);
             match self.activation {
+                // candle's SiLU (libm's `expf`) stays: a vectorized one as accurate on exact
+                // weights (3.6e-6 of the logit range against candle-transformers, as before)
+                // moved the 8-bit-activation comparison with candle's quantized llama from
+                // 57 to 52 of 64 argmax agreements, and costs only ~4 % of a batched step.
                 Activation::Silu => (candle_nn::ops::silu(&gate)? * up)?,
                 Activation::GeluTanh => gelu_tanh_mul(&gate, &up)?,
             }
@@ -355,36 +367,56 @@ impl GatedMlp {
 /// `gelu_tanh(gate) * up` in one pass over both (the vectorized GELU of
 /// [`switchyard_kernels::fastmath::gelu_tanh_mul`]), read in place.
 fn gelu_tanh_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    use candle_core::{CpuStorage, Storage};
+    gated(gate, up, "gelu_tanh_mul", fastmath::gelu_tanh_mul)
+}
+
+fn gated(
+    gate: &Tensor,
+    up: &Tensor,
+    what: &str,
+    f: impl FnOnce(&[f32], &[f32], &mut [f32]),
+) -> Result<Tensor> {
     if gate.shape() != up.shape() {
         return Err(candle_core::Error::Msg(format!(
-            "gelu_tanh_mul: gate {:?} and up {:?} differ in shape",
+            "{what}: gate {:?} and up {:?} differ in shape",
             gate.shape(),
             up.shape()
         ))
         .into());
     }
-    // No copies for the contiguous f32 outputs the projections give.
-    let (g, u) = (
-        gate.contiguous()?.to_dtype(DType::F32)?,
-        up.contiguous()?.to_dtype(DType::F32)?,
-    );
-    let mut out = vec![0f32; g.elem_count()];
-    {
-        let (gs, gl) = g.storage_and_layout();
-        let (us, ul) = u.storage_and_layout();
-        let (
-            Storage::Cpu(CpuStorage::F32(gv)),
-            Some((g0, g1)),
-            Storage::Cpu(CpuStorage::F32(uv)),
-            Some((u0, u1)),
-        ) = (&*gs, gl.contiguous_offsets(), &*us, ul.contiguous_offsets())
-        else {
-            return Err(candle_core::Error::Msg("gelu_tanh_mul runs on CPU tensors".into()).into());
-        };
-        fastmath::gelu_tanh_mul(&gv[g0..g1], &uv[u0..u1], &mut out);
-    }
+    let out = elementwise([gate, up], gate.elem_count(), |[g, u], out| f(g, u, out))?;
     Ok(Tensor::from_vec(out, gate.shape(), gate.device())?.to_dtype(gate.dtype())?)
+}
+
+/// `f(the inputs' values, output of len values)` over the inputs as contiguous f32 CPU
+/// tensors, read in place (no copy for the contiguous f32 tensors the projections give): the
+/// elementwise kernels of [`fastmath`] without candle's intermediate tensors.
+fn elementwise<const N: usize>(
+    inputs: [&Tensor; N],
+    len: usize,
+    f: impl FnOnce([&[f32]; N], &mut [f32]),
+) -> Result<Vec<f32>> {
+    use candle_core::{CpuStorage, Storage};
+    let owned = inputs
+        .iter()
+        .map(|t| t.contiguous()?.to_dtype(DType::F32))
+        .collect::<candle_core::Result<Vec<Tensor>>>()?;
+    let guards: Vec<_> = owned.iter().map(Tensor::storage_and_layout).collect();
+    let mut values: [&[f32]; N] = [&[]; N];
+    for (v, (storage, layout)) in values.iter_mut().zip(&guards) {
+        match (&**storage, layout.contiguous_offsets()) {
+            (Storage::Cpu(CpuStorage::F32(all)), Some((a, b))) => *v = &all[a..b],
+            _ => {
+                return Err(candle_core::Error::Msg(
+                    "elementwise kernels run on CPU tensors".into(),
+                )
+                .into())
+            }
+        }
+    }
+    let mut out = vec![0f32; len];
+    f(values, &mut out);
+    Ok(out)
 }
 
 /// `x + h`, the residual connection.

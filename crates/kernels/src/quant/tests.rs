@@ -196,3 +196,46 @@ fn grouped_products_equal_separate_products() {
         }
     }
 }
+
+/// The vectorized activation quantization gives the scalar codes, scales and sub-block sums
+/// bit for bit: random rows, an all-zero block, values at the rounding ties, large and tiny
+/// magnitudes, infinities and NaN.
+#[test]
+fn activation_quantization_matches_the_scalar_rows() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let k = 512;
+    let mut rows: Vec<Vec<f32>> = (0..20).map(|_| random(&mut rng, k)).collect();
+    let mut special = random(&mut rng, k);
+    special[..32].fill(0.0);
+    for (i, v) in special[32..64].iter_mut().enumerate() {
+        // x * 127 / 1.0 lands on halves: ties go to even.
+        *v = (i as f32 - 16.0 + 0.5) / 127.0;
+    }
+    special[40] = 1.0;
+    special[64] = f32::NAN;
+    special[100] = f32::INFINITY;
+    special[130] = -f32::INFINITY;
+    special[160..192].iter_mut().for_each(|v| *v *= 1e30);
+    special[192..224].iter_mut().for_each(|v| *v *= 1e-30);
+    rows.push(special);
+    for level in available_levels() {
+        for sub in [16, 32] {
+            for x in &rows {
+                let (mut q, mut d, mut s) = (vec![0i8; k], vec![0f32; k / 32], vec![0f32; k / sub]);
+                quantize_row_summed(level, x, &mut q, &mut d, &mut s, sub);
+                let (mut wq, mut wd) = (vec![0i8; k], vec![0f32; k / 32]);
+                quantize_row(x, &mut wq, &mut wd);
+                let ws: Vec<f32> = wq
+                    .chunks_exact(sub)
+                    .map(|c| c.iter().map(|&v| v as i32).sum::<i32>() as f32)
+                    .collect();
+                assert_eq!(q, wq, "{level:?} sub {sub}");
+                assert!(
+                    d.iter().zip(&wd).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{level:?} sub {sub}: {d:?} vs {wd:?}"
+                );
+                assert_eq!(s, ws, "{level:?} sub {sub}");
+            }
+        }
+    }
+}
