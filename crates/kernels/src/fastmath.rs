@@ -245,6 +245,40 @@ pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     gelu_tanh_mul_body(gate, up, out)
 }
 
+/// Values above which [`silu_mul`] is split over the pool's threads.
+const PARALLEL_MIN_SILU: usize = 1 << 15;
+
+/// `out[i] = silu(gate[i]) * up[i]` with candle's SiLU, `x / (1 + e^(−x))` through libm's
+/// `expf`, bit for bit: one pass over both, no intermediate tensors, large inputs spread over
+/// the pool's threads (candle maps it on one thread, then allocates the product). libm
+/// rather than the vectorized exp: a vectorized SiLU as accurate on exact weights moved the
+/// 8-bit-activation comparison with candle's quantized llama from 57 to 52 of 64 argmax
+/// agreements. The three slices must have the same length.
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(
+        gate.len() == out.len() && up.len() == out.len(),
+        "gate, up and output lengths"
+    );
+    let body = |g: &[f32], u: &[f32], o: &mut [f32]| {
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
+    };
+    if out.len() < PARALLEL_MIN_SILU {
+        return body(gate, up, out);
+    }
+    let per = out.len().div_ceil(crate::pool::global().threads() * 4);
+    // Each task writes its own slice (taken through a lock it alone uses).
+    let parts: Vec<std::sync::Mutex<&mut [f32]>> =
+        out.chunks_mut(per).map(std::sync::Mutex::new).collect();
+    crate::pool::run(parts.len(), &|t| {
+        if let Ok(mut o) = parts[t].lock() {
+            let r = t * per..(t * per + o.len());
+            body(&gate[r.clone()], &up[r], &mut o);
+        }
+    });
+}
+
 #[inline(always)]
 fn rms_norm_body(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let n = weight.len();
@@ -479,6 +513,27 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn silu_mul_is_candles_silu_times_up() {
+        use candle_core::{Device, Tensor};
+        // Small (one thread) and large (the pool) inputs.
+        for n in [1000usize, 100_000] {
+            let gate: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 12.0).collect();
+            let up: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos() * 3.0).collect();
+            let mut got = vec![0f32; n];
+            silu_mul(&gate, &up, &mut got);
+            let g = Tensor::from_vec(gate.clone(), n, &Device::Cpu).unwrap();
+            let u = Tensor::from_vec(up.clone(), n, &Device::Cpu).unwrap();
+            let want: Vec<f32> = (g.silu().unwrap() * u).unwrap().to_vec1().unwrap();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "n {n}"
+            );
         }
     }
 }

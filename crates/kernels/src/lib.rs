@@ -38,6 +38,27 @@ enum Kernel {
     Candle(QMatMul),
 }
 
+/// `f(x's values in row-major order)`, read in place where `x` is a contiguous f32 CPU tensor
+/// (what the model's layers pass), else from a converted copy: a copy of every product's
+/// input was a twentieth of a batched decode step.
+fn with_values<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    use candle_core::{CpuStorage, Storage};
+    let x = x.contiguous()?.to_dtype(DType::F32)?;
+    {
+        let (storage, layout) = x.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            return Ok(f(&v[a..b]));
+        }
+    }
+    let v = {
+        let _copy = prof::time(Part::Copy);
+        x.flatten_all()?.to_vec1::<f32>()?
+    };
+    Ok(f(&v))
+}
+
 /// A linear layer `y = x W^T + b` whose weight `W` is `[out_features, in_features]`.
 /// Cloning shares the weight (tied embeddings and LM head hold one copy).
 #[derive(Debug, Clone)]
@@ -172,10 +193,11 @@ impl QLinear {
                 }
                 let rows: usize = dims.iter().product();
                 let copy = prof::time(Part::Copy);
-                let xs = x.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
                 let mut out = vec![0f32; rows * self.out_features];
                 drop(copy);
-                quant::matmul_many_as(&[&**p], &xs, rows, &mut [&mut out], part);
+                with_values(x, |xs| {
+                    quant::matmul_many_as(&[&**p], xs, rows, &mut [&mut out], part)
+                })?;
                 dims.push(self.out_features);
                 let _copy = prof::time(Part::Copy);
                 Tensor::from_vec(out, dims, x.device())?
@@ -225,7 +247,6 @@ impl QLinear {
         let _enter = layers[0].span.enter();
         let rows: usize = dims.iter().product();
         let copy = prof::time(Part::Copy);
-        let xs = x.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         let mut outs: Vec<Vec<f32>> = layers
             .iter()
             .map(|l| vec![0f32; rows * l.out_features])
@@ -233,7 +254,9 @@ impl QLinear {
         drop(copy);
         {
             let mut views: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
-            quant::matmul_many_as(&ws, &xs, rows, &mut views, layers[0].part());
+            with_values(x, |xs| {
+                quant::matmul_many_as(&ws, xs, rows, &mut views, layers[0].part())
+            })?;
         }
         layers
             .iter()

@@ -352,11 +352,7 @@ impl GatedMlp {
         let gated = {
             let _t = prof::time(Part::Activation);
             match self.activation {
-                // candle's SiLU (libm's `expf`) stays: a vectorized one as accurate on exact
-                // weights (3.6e-6 of the logit range against candle-transformers, as before)
-                // moved the 8-bit-activation comparison with candle's quantized llama from
-                // 57 to 52 of 64 argmax agreements, and costs only ~4 % of a batched step.
-                Activation::Silu => (candle_nn::ops::silu(&gate)? * up)?,
+                Activation::Silu => silu_mul(&gate, &up)?,
                 Activation::GeluTanh => gelu_tanh_mul(&gate, &up)?,
             }
         };
@@ -368,6 +364,12 @@ impl GatedMlp {
 /// [`switchyard_kernels::fastmath::gelu_tanh_mul`]), read in place.
 fn gelu_tanh_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     gated(gate, up, "gelu_tanh_mul", fastmath::gelu_tanh_mul)
+}
+
+/// `silu(gate) * up` in one pass over both, candle's SiLU bit for bit
+/// ([`switchyard_kernels::fastmath::silu_mul`]), read in place.
+fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    gated(gate, up, "silu_mul", fastmath::silu_mul)
 }
 
 fn gated(
