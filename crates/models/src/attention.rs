@@ -26,7 +26,7 @@
 //! (`row_tile`): rows read in place, the output accumulators held in registers over the
 //! tile, four positions' dot products reduced together, in the same arithmetic as the
 //! general kernel, so the two agree bit for bit. On 64 sequences of 1,024 f16 positions it
-//! took a layer from 4.9 to 3.7 ms (the ignored timing test).
+//! took a layer from 4.9 to 3.3-3.5 ms (the ignored timing test).
 //!
 //! f16 rows ([`crate::kv::F16Rows`]) are widened to f32 a row at a time (exactly); 8-bit rows
 //! ([`crate::kv::Int8Rows`]) a head at a time, their scale multiplying the dot product (keys)
@@ -704,7 +704,11 @@ unsafe fn row_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
     let folded = heads / 4 * 4;
     let mut scores = vec![0f32; heads * n];
     for (ri, run) in runs.iter().enumerate() {
-        let next = runs.get(ri + 1);
+        // While this run's scores are computed, the next run's K rows and this run's V rows
+        // are fetched a few lines per step (a burst at the start of the run left the loads
+        // waiting on one another; the values pass then reads V from cache).
+        let next_k = runs.get(ri + 1).map_or(&[][..], |nx| nx.k);
+        let mut ahead = Spread::new([next_k, run.v], heads * run.n.div_ceil(4));
         for g in 0..shape.n_kv_heads {
             for h in g * group..(g + 1) * group {
                 let qh = q.as_ptr().add(h * hd);
@@ -723,12 +727,7 @@ unsafe fn row_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
                 let dst = &mut scores[h * n + run.at..h * n + run.at + run.n];
                 let mut i = 0;
                 while i < run.n {
-                    if h == 0 {
-                        // The next run's rows, as far ahead as this run is long.
-                        if let Some(nx) = next {
-                            prefetch_rows(nx.k, i, 4, row);
-                        }
-                    }
+                    ahead.step();
                     let m = (run.n - i).min(4);
                     let mut sums = [0f32; 4];
                     if h < folded {
@@ -776,20 +775,45 @@ unsafe fn row_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
     }
 }
 
-/// Prefetches `count` rows of `rows` from row `first` (those that exist).
+/// Prefetches two byte ranges a few cache lines per [`Spread::step`], evenly over a given
+/// number of steps.
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn prefetch_rows<E>(rows: &[E], first: usize, count: usize, row: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let bytes = std::mem::size_of::<E>() * row;
-    let base = rows.as_ptr() as *const i8;
-    let len = std::mem::size_of_val(rows);
-    let (a, b) = ((first * bytes).min(len), ((first + count) * bytes).min(len));
-    let mut o = a;
-    while o < b {
-        // SAFETY: a prefetch never faults, and `o` lies inside `rows` anyway.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(o)) };
-        o += 64;
+struct Spread {
+    ranges: [(*const i8, usize); 2],
+    /// Range being fetched and the byte offset in it.
+    at: (usize, usize),
+    lines_per_step: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Spread {
+    fn new<E>(ranges: [&[E]; 2], steps: usize) -> Self {
+        let ranges = ranges.map(|r| (r.as_ptr() as *const i8, std::mem::size_of_val(r)));
+        let lines: usize = ranges.iter().map(|r| r.1.div_ceil(64)).sum();
+        Self {
+            ranges,
+            at: (0, 0),
+            lines_per_step: lines.div_ceil(steps.max(1)),
+        }
+    }
+
+    #[inline(always)]
+    fn step(&mut self) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let mut left = self.lines_per_step;
+        while left > 0 {
+            let Some(&(base, len)) = self.ranges.get(self.at.0) else {
+                return;
+            };
+            if self.at.1 >= len {
+                self.at = (self.at.0 + 1, 0);
+                continue;
+            }
+            // SAFETY: a prefetch never faults, and the address lies inside the range anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(self.at.1)) };
+            self.at.1 += 64;
+            left -= 1;
+        }
     }
 }
 
@@ -815,14 +839,8 @@ unsafe fn row_values<E: KvLanes, const VECS: usize, const S: usize>(
     use std::arch::x86_64::*;
     let hd = VECS * 16;
     let mut acc = [[_mm512_setzero_ps(); VECS]; S];
-    for (ri, run) in runs.iter().enumerate() {
-        let next = runs.get(ri + 1);
+    for run in runs {
         for i in 0..run.n {
-            if g == 0 && h0 == 0 && i % 4 == 0 {
-                if let Some(nx) = next {
-                    prefetch_rows(nx.v, i, 4, row);
-                }
-            }
             let vp = run.v.as_ptr().add(i * row + g * hd);
             let mut w = [_mm512_setzero_ps(); S];
             for (j, wj) in w.iter_mut().enumerate() {
