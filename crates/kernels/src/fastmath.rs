@@ -279,30 +279,36 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     });
 }
 
+/// Rows whose sums of squares [`rms_norm`] runs side by side.
+const NORM_ROWS: usize = 8;
+
 #[inline(always)]
 fn rms_norm_body(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let n = weight.len();
-    for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let mut acc = [0f32; LANES];
-        let mut chunks = xr.chunks_exact(LANES);
-        for c in &mut chunks {
-            for (a, &v) in acc.iter_mut().zip(c) {
-                *a += v * v;
+    for (xs, os) in x.chunks(NORM_ROWS * n).zip(out.chunks_mut(NORM_ROWS * n)) {
+        // Each row's squares summed one after another from the first, candle's order; the
+        // rows' chains are independent, so eight of them overlap in the pipeline.
+        let rows = xs.len() / n;
+        let mut sums = [0f32; NORM_ROWS];
+        if rows == NORM_ROWS {
+            for i in 0..n {
+                for (r, s) in sums.iter_mut().enumerate() {
+                    let v = xs[r * n + i];
+                    *s += v * v;
+                }
+            }
+        } else {
+            for (s, xr) in sums.iter_mut().zip(xs.chunks_exact(n)) {
+                for &v in xr {
+                    *s += v * v;
+                }
             }
         }
-        let mut sum = 0f32;
-        for &v in chunks.remainder() {
-            sum += v * v;
-        }
-        for half in [8, 4, 2, 1] {
-            for k in 0..half {
-                acc[k] += acc[k + half];
+        for ((xr, or), &sum) in xs.chunks_exact(n).zip(os.chunks_exact_mut(n)).zip(&sums) {
+            let m = (sum / n as f32 + eps).sqrt();
+            for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+                *o = v / m * w;
             }
-        }
-        sum += acc[0];
-        let m = (sum / n as f32 + eps).sqrt();
-        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
-            *o = v / m * w;
         }
     }
 }
@@ -321,10 +327,11 @@ unsafe fn rms_norm_avx512(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) 
 }
 
 /// RMS norm of each row of `x` (rows of `weight.len()` values):
-/// `out = x / sqrt(mean(x²) + eps) · weight`, candle's formula, with the squares summed in 16
-/// f32 lanes in a fixed order (candle sums them one by one, which does not vectorize, and
-/// spreads more than 32 rows over rayon's threads beside the engine's own). The same bits on
-/// every instruction set. `x` and `out` must have the same length, a multiple of the row's.
+/// `out = x / sqrt(mean(x²) + eps) · weight`, candle's formula and summation order, bit for
+/// bit. candle sums a row's squares one element at a time (a chain of dependent adds) and
+/// spreads more than 32 rows over rayon's threads beside the engine's own; here eight rows'
+/// chains run side by side on the caller's thread. The same bits on every instruction set.
+/// `x` and `out` must have the same length, a multiple of the row's.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     assert!(
         x.len() == out.len() && !weight.is_empty() && x.len().is_multiple_of(weight.len()),
@@ -488,9 +495,12 @@ mod tests {
     }
 
     #[test]
-    fn rms_norm_is_within_its_bound_and_the_same_bits_on_every_path() {
-        for n in [8usize, 64, 576, 1000] {
-            let x: Vec<f32> = (0..3 * n)
+    fn rms_norm_is_candles_bit_for_bit() {
+        use candle_core::{Device, Tensor};
+        // Whole groups of eight rows, a partial group, rows of odd lengths, and more than
+        // the 32 rows above which candle splits the rows over rayon.
+        for (rows, n) in [(8usize, 64usize), (3, 576), (19, 576), (40, 576), (5, 1000)] {
+            let x: Vec<f32> = (0..rows * n)
                 .map(|i| ((i * 7919) % 2001) as f32 / 100.0 - 10.0)
                 .collect();
             let w: Vec<f32> = (0..n).map(|i| 0.5 + (i % 7) as f32 / 10.0).collect();
@@ -502,17 +512,20 @@ mod tests {
                 .iter()
                 .zip(&portable)
                 .all(|(a, b)| a.to_bits() == b.to_bits()));
-            for (xr, gr) in x.chunks(n).zip(got.chunks(n)) {
-                let ms = xr.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / n as f64;
-                let inv = 1.0 / (ms + 1e-6).sqrt();
-                for ((&v, &g), &wi) in xr.iter().zip(gr).zip(&w) {
-                    let want = f64::from(v) * inv * f64::from(wi);
-                    assert!(
-                        (f64::from(g) - want).abs() <= 1e-6 * want.abs() + 1e-12,
-                        "n {n}: {g} vs {want}"
-                    );
-                }
-            }
+            let xt = Tensor::from_vec(x.clone(), (rows, n), &Device::Cpu).unwrap();
+            let wt = Tensor::from_vec(w.clone(), n, &Device::Cpu).unwrap();
+            let want: Vec<f32> = candle_nn::ops::rms_norm(&xt, &wt, 1e-6)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "rows {rows} n {n}"
+            );
         }
     }
 
