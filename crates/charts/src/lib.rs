@@ -212,19 +212,23 @@ pub fn stacked_bars(path: &Path, chart: &StackedBars<'_>, text: bool) -> Result<
             .y_label_area_size(140);
     }
     let mut ctx = builder
-        .build_cartesian_2d(0.0..(longest * 1.05).max(f64::MIN_POSITIVE), 0.0..n as f64)
+        .build_cartesian_2d(
+            0.0..(longest * 1.05).max(f64::MIN_POSITIVE),
+            -0.5..n as f64 - 0.5,
+        )
         .map_err(|e| err(&e))?;
+    // Bar i is centred on y = i, where the axis puts its whole-number ticks.
     let labels: Vec<String> = chart.bars.iter().map(|b| b.label.clone()).collect();
     let label_of = |y: &f64| {
-        let i = (*y - 0.5).round();
-        if (y - 0.5 - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < labels.len() {
+        let i = y.round();
+        if (y - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < labels.len() {
             labels[i as usize].clone()
         } else {
             String::new()
         }
     };
     let mut mesh = ctx.configure_mesh();
-    mesh.disable_y_mesh().y_labels(n + 1);
+    mesh.disable_y_mesh().y_labels(n);
     if text {
         mesh.x_desc(chart.x_label)
             .label_style((FONT_FAMILY, 14))
@@ -234,7 +238,7 @@ pub fn stacked_bars(path: &Path, chart: &StackedBars<'_>, text: bool) -> Result<
     }
     mesh.draw().map_err(|e| err(&e))?;
     for (i, b) in chart.bars.iter().enumerate() {
-        let (y0, y1) = (i as f64 + 0.15, i as f64 + 0.85);
+        let (y0, y1) = (i as f64 - 0.35, i as f64 + 0.35);
         let mut x = 0.0;
         for (s, v) in b.values.iter().enumerate() {
             if !v.is_finite() || *v <= 0.0 {

@@ -11,8 +11,9 @@
 //! dependency set offers a vectorized exp on stable Rust (candle's CPU `exp` is the scalar
 //! one), so it is written here.
 //!
-//! The same vectorized loops serve Gemma's GELU and the RMS norm of every model
-//! ([`rms_norm`]), whose candle versions sum and map one element at a time.
+//! Beside it: Gemma's GELU through the same exp ([`gelu_tanh_mul`]), and two kernels that
+//! keep candle's results bit for bit while skipping its intermediate tensors and rayon split:
+//! SiLU·up ([`silu_mul`]) and the RMS norm ([`rms_norm`]).
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 // ln 2 split so that k · LN2_HI is exact for |k| < 2^9.
