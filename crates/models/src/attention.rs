@@ -397,10 +397,10 @@ unsafe fn tile_avx512(seq: &SeqAttn<'_>, task: &Task, shape: &AttnShape, out: &m
         }
     }
     match shape.head_dim {
-        64 => tile_with::<Avx512Head<64>>(seq, task, shape, out),
-        128 => tile_with::<Avx512Head<128>>(seq, task, shape, out),
-        256 => tile_with::<Avx512Head<256>>(seq, task, shape, out),
-        _ => tile_with::<Avx512>(seq, task, shape, out),
+        64 => tile_with::<Avx512<64>>(seq, task, shape, out),
+        128 => tile_with::<Avx512<128>>(seq, task, shape, out),
+        256 => tile_with::<Avx512<256>>(seq, task, shape, out),
+        _ => tile_with::<Avx512<0>>(seq, task, shape, out),
     }
 }
 
@@ -443,12 +443,27 @@ impl Ops for Portable {
     }
 }
 
-/// Explicit AVX-512 for lengths that are a multiple of 16 (every zoo model's head).
+/// Explicit AVX-512 for heads whose length is a multiple of 16 (every zoo model's), `HD`
+/// values long; `HD = 0` takes the length from the slices. A known length unrolls the loops
+/// over a head's values (a run-time one kept every inner loop rolled); the operations and
+/// their order are the same either way.
 #[cfg(target_arch = "x86_64")]
-struct Avx512;
+struct Avx512<const HD: usize>;
 
 #[cfg(target_arch = "x86_64")]
-impl Ops for Avx512 {
+impl<const HD: usize> Avx512<HD> {
+    #[inline(always)]
+    fn head(x: &[f32]) -> &[f32] {
+        if HD == 0 {
+            x
+        } else {
+            &x[..HD]
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<const HD: usize> Ops for Avx512<HD> {
     #[inline(always)]
     fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
         // SAFETY: only used from `tile_avx512`, which runs where the CPU has avx512f.
@@ -457,53 +472,23 @@ impl Ops for Avx512 {
 
     #[inline(always)]
     fn dot(a: &[f32], b: &[f32]) -> f32 {
-        // SAFETY: only used from `tile_avx512`, which runs where the CPU has avx512f.
-        unsafe { dot_avx512(a, b) }
+        // SAFETY: as above.
+        unsafe { dot_avx512(Self::head(a), Self::head(b)) }
     }
 
     #[inline(always)]
     fn dots(q: &[f32], k: &[f32], kv: &[usize], hd: usize, out: &mut [f32]) {
+        debug_assert!(HD == 0 || hd == HD);
+        let hd = if HD == 0 { hd } else { HD };
         // SAFETY: as above.
         unsafe { dots_avx512(q, k, kv, hd, out) }
     }
 
     #[inline(always)]
     fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
+        let n = if HD == 0 { x.len().min(y.len()) } else { HD };
         // SAFETY: as above.
-        unsafe { axpy_avx512(w, x, y) }
-    }
-}
-
-/// [`Avx512`] for heads of `HD` values: the same operations in the same order, with the
-/// loops over a head's values unrolled (a run-time head length kept every inner loop rolled).
-#[cfg(target_arch = "x86_64")]
-struct Avx512Head<const HD: usize>;
-
-#[cfg(target_arch = "x86_64")]
-impl<const HD: usize> Ops for Avx512Head<HD> {
-    #[inline(always)]
-    fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
-        // SAFETY: only used from `tile_avx512`, which runs where the CPU has avx512f.
-        unsafe { widen_f16_avx512(src, dst) }
-    }
-
-    #[inline(always)]
-    fn dot(a: &[f32], b: &[f32]) -> f32 {
-        // SAFETY: as above.
-        unsafe { dot_avx512(&a[..HD], &b[..HD]) }
-    }
-
-    #[inline(always)]
-    fn dots(q: &[f32], k: &[f32], kv: &[usize], hd: usize, out: &mut [f32]) {
-        debug_assert_eq!(hd, HD);
-        // SAFETY: as above.
-        unsafe { dots_avx512(q, k, kv, HD, out) }
-    }
-
-    #[inline(always)]
-    fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
-        // SAFETY: as above.
-        unsafe { axpy_avx512(w, &x[..HD], &mut y[..HD]) }
+        unsafe { axpy_avx512(w, &x[..n], &mut y[..n]) }
     }
 }
 
@@ -589,7 +574,7 @@ impl KvLanes for half::f16 {
     }
 }
 
-/// Consecutive held positions in one chunk: K and V rows from `start` on, `n` of them.
+/// Consecutive held positions in one chunk: their K and V rows, `n` of each.
 #[cfg(target_arch = "x86_64")]
 struct Run<'a, E> {
     k: &'a [E],
@@ -600,7 +585,7 @@ struct Run<'a, E> {
 }
 
 /// The one query row of `task` over its tile, for heads of `VECS * 16` values, reading f32
-/// or f16 rows in place: the arithmetic of [`tile_with`] on [`Avx512Head`] (each dot product
+/// or f16 rows in place: the arithmetic of [`tile_with`] on [`Avx512`] (each dot product
 /// summed in the same order, the same softmax, each output accumulated over positions in the
 /// same order), so a row's result does not depend on which path ran it. Faster because
 /// nothing is widened into a buffer, the value accumulators stay in registers over the whole
@@ -619,16 +604,12 @@ unsafe fn row_tile<const VECS: usize>(
         return false;
     }
     if seq.chunks.iter().all(|c| c.f16.is_some()) {
-        let runs = |lo, hi| {
-            runs_of(&seq.chunks, lo, hi, shape, |c| {
-                c.f16.map(|h| (h.k, h.v)).unwrap_or_default()
-            })
-        };
-        row_tile_with::<half::f16, VECS>(seq, task, shape, out, runs);
+        row_tile_with::<half::f16, VECS>(seq, task, shape, out, |c| {
+            c.f16.map(|h| (h.k, h.v)).unwrap_or_default()
+        });
         true
     } else if seq.chunks.iter().all(|c| c.f16.is_none()) {
-        let runs = |lo, hi| runs_of(&seq.chunks, lo, hi, shape, |c| (c.k, c.v));
-        row_tile_with::<f32, VECS>(seq, task, shape, out, runs);
+        row_tile_with::<f32, VECS>(seq, task, shape, out, |c| (c.k, c.v));
         true
     } else {
         false
@@ -671,11 +652,11 @@ fn runs_of<'a, E>(
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn row_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
-    seq: &SeqAttn<'_>,
+    seq: &SeqAttn<'a>,
     task: &Task,
     shape: &AttnShape,
     out: &mut [f32],
-    runs: impl Fn(usize, usize) -> Vec<Run<'a, E>>,
+    rows: impl Fn(&KvChunk<'a>) -> (&'a [E], &'a [E]),
 ) {
     use std::arch::x86_64::*;
     let hd = VECS * 16;
@@ -697,7 +678,7 @@ unsafe fn row_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
         return;
     }
     let n = hi - lo;
-    let runs = runs(lo, hi);
+    let runs = runs_of(&seq.chunks, lo, hi, shape, rows);
     let q = &seq.q[r * heads * hd..(r + 1) * heads * hd];
     // Heads below `folded` sum their dot products as `dots_avx512` folds whole groups of four;
     // the rest as it reduces a remainder head alone.
