@@ -23,11 +23,11 @@
 //! 8.0 GB/s of K/V against 15.5 GB/s now (the ignored `paged_decode_attention_timing` test).
 //!
 //! A task of one query row (every decode step's) runs a kernel of its own on AVX-512
-//! (`row_tile`): rows read in place, the output accumulators held in registers over the
+//! (`row_tile_with`): rows read in place, the output accumulators held in registers over the
 //! tile, four positions' dot products reduced together, in the same arithmetic as the
 //! general kernel, so the two agree bit for bit. On 64 sequences of 1,024 f16 positions it
 //! took a layer from 4.9 to 3.3-3.5 ms (the ignored timing test). A task of several rows
-//! (a prompt pass's) runs `rows_tile`: the same arithmetic per row, with a block of rows
+//! (a prompt pass's) runs `rows_tile_with`: the same arithmetic per row, with a block of rows
 //! sharing every K and V load, and the value accumulators of several rows and heads in
 //! registers. On a 512-row prompt from position 0 over f16 blocks it took a layer from 7.4 to
 //! 3.6 ms on SmolLM2's shape, 17.9 to 7.3 on Qwen2.5 1.5B's and 9.9 to 3.9 on Gemma 3's (the
@@ -390,13 +390,10 @@ unsafe fn tile_avx2(seq: &SeqAttn<'_>, task: &Task, shape: &AttnShape, out: &mut
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn tile_avx512(seq: &SeqAttn<'_>, task: &Task, shape: &AttnShape, out: &mut [f32]) {
-    let done = match (task.rows.len(), shape.head_dim) {
-        (1, 64) => row_tile::<4>(seq, task, shape, out),
-        (1, 128) => row_tile::<8>(seq, task, shape, out),
-        (1, 256) => row_tile::<16>(seq, task, shape, out),
-        (_, 64) => rows_tile::<4>(seq, task, shape, out),
-        (_, 128) => rows_tile::<8>(seq, task, shape, out),
-        (_, 256) => rows_tile::<16>(seq, task, shape, out),
+    let done = match shape.head_dim {
+        64 => tile_in_place::<4>(seq, task, shape, out),
+        128 => tile_in_place::<8>(seq, task, shape, out),
+        256 => tile_in_place::<16>(seq, task, shape, out),
         _ => false,
     };
     if done {
@@ -590,17 +587,13 @@ struct Run<'a, E> {
     n: usize,
 }
 
-/// The one query row of `task` over its tile, for heads of `VECS * 16` values, reading f32
-/// or f16 rows in place: the arithmetic of [`tile_with`] on [`Avx512`] (each dot product
-/// summed in the same order, the same softmax, each output accumulated over positions in the
-/// same order), so a row's result does not depend on which path ran it. Faster because
-/// nothing is widened into a buffer, the value accumulators stay in registers over the whole
-/// tile (a position's update was a load and a store of every output), and four positions'
-/// dot products share one horizontal fold. Returns false (and writes nothing) for 8-bit
-/// rows, which [`tile_with`] serves.
+/// `task` over its tile, for heads of `VECS * 16` values, reading f32 or f16 rows in place:
+/// [`row_tile_with`] for one query row (a decode step's), [`rows_tile_with`] for several (a
+/// prompt pass's). Returns false (and writes nothing) for 8-bit rows, which [`tile_with`]
+/// serves.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn row_tile<const VECS: usize>(
+unsafe fn tile_in_place<const VECS: usize>(
     seq: &SeqAttn<'_>,
     task: &Task,
     shape: &AttnShape,
@@ -610,15 +603,33 @@ unsafe fn row_tile<const VECS: usize>(
         return false;
     }
     if seq.chunks.iter().all(|c| c.f16.is_some()) {
-        row_tile_with::<half::f16, VECS>(seq, task, shape, out, |c| {
+        tile_of::<half::f16, VECS>(seq, task, shape, out, |c| {
             c.f16.map(|h| (h.k, h.v)).unwrap_or_default()
         });
         true
     } else if seq.chunks.iter().all(|c| c.f16.is_none()) {
-        row_tile_with::<f32, VECS>(seq, task, shape, out, |c| (c.k, c.v));
+        tile_of::<f32, VECS>(seq, task, shape, out, |c| (c.k, c.v));
         true
     } else {
         false
+    }
+}
+
+/// [`row_tile_with`] or [`rows_tile_with`], by the number of query rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn tile_of<'a, E: KvLanes + 'a, const VECS: usize>(
+    seq: &SeqAttn<'a>,
+    task: &Task,
+    shape: &AttnShape,
+    out: &mut [f32],
+    rows: impl Fn(&KvChunk<'a>) -> (&'a [E], &'a [E]),
+) {
+    if task.rows.len() == 1 {
+        row_tile_with::<E, VECS>(seq, task, shape, out, rows)
+    } else {
+        rows_tile_with::<E, VECS>(seq, task, shape, out, rows)
     }
 }
 
@@ -654,6 +665,12 @@ fn runs_of<'a, E>(
     runs
 }
 
+/// The one query row of `task` over its tile: the arithmetic of [`tile_with`] on [`Avx512`]
+/// (each dot product summed in the same order, the same softmax, each output accumulated over
+/// positions in the same order), so a row's result does not depend on which path ran it.
+/// Faster because nothing is widened into a buffer, the value accumulators stay in registers
+/// over the whole tile (a position's update was a load and a store of every output), and four
+/// positions' dot products share one horizontal fold.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -849,38 +866,6 @@ unsafe fn row_values<E: KvLanes, const VECS: usize, const S: usize>(
     }
 }
 
-/// The query rows of `task` over its tile, for heads of `VECS * 16` values, reading f32 or
-/// f16 rows in place (a prompt pass's tasks): each row's arithmetic is [`row_tile`]'s (the
-/// same dot products, folds, softmax and value updates in the same order), so a row's result
-/// does not depend on how many rows share its task. Faster than one [`row_tile`] per row
-/// because a block of rows shares every K and V load: four rows' dot products with four
-/// positions run side by side, and the value accumulators of up to three rows times two
-/// heads stay in registers, a quarter of a head (four vectors) at a time. Returns false (and
-/// writes nothing) for 8-bit rows, which [`tile_with`] serves.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn rows_tile<const VECS: usize>(
-    seq: &SeqAttn<'_>,
-    task: &Task,
-    shape: &AttnShape,
-    out: &mut [f32],
-) -> bool {
-    if seq.chunks.iter().any(|c| c.int8.is_some()) {
-        return false;
-    }
-    if seq.chunks.iter().all(|c| c.f16.is_some()) {
-        rows_tile_with::<half::f16, VECS>(seq, task, shape, out, |c| {
-            c.f16.map(|h| (h.k, h.v)).unwrap_or_default()
-        });
-        true
-    } else if seq.chunks.iter().all(|c| c.f16.is_none()) {
-        rows_tile_with::<f32, VECS>(seq, task, shape, out, |c| (c.k, c.v));
-        true
-    } else {
-        false
-    }
-}
-
 /// Rows per block of the multi-row score pass.
 const SCORE_ROWS: usize = 4;
 
@@ -896,6 +881,12 @@ struct Block<'r, 'a, E> {
     row: usize,
 }
 
+/// The query rows of `task` over its tile (a prompt pass's tasks): each row's arithmetic is
+/// [`row_tile_with`]'s (the same dot products, folds, softmax and value updates in the same
+/// order), so a row's result does not depend on how many rows share its task. Faster than one
+/// [`row_tile_with`] per row because a block of rows shares every K and V load: four rows' dot
+/// products with four positions run side by side, and the value accumulators of up to three
+/// rows times two heads stay in registers, a quarter of a head (four vectors) at a time.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -941,7 +932,7 @@ unsafe fn rows_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
     let q = &seq.q[task.rows.start * width..task.rows.end * width];
     let mut scores = vec![0f32; spans.len() * heads * n];
     // Heads below `folded` sum their dot products as `dots_avx512` folds whole groups of four;
-    // the rest as it reduces a remainder head alone (as `row_tile` does).
+    // the rest as it reduces a remainder head alone (as `row_tile_with` does).
     let folded = heads / 4 * 4;
     for h in 0..heads {
         let mut j = 0;
@@ -1016,7 +1007,7 @@ unsafe fn rows_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
 
 /// Scores of head `h` (key/value head `g`) for the `R` rows from `j0`, over every position of
 /// the block's joint span: four positions of `R` rows at a time, each dot product summed and
-/// folded as [`row_tile`] does. Positions outside a row's own span get scores nobody reads.
+/// folded as [`row_tile_with`] does. Positions outside a row's own span get scores nobody reads.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -1490,9 +1481,9 @@ mod tests {
         }
     }
 
-    /// A decode row (a task of one row, served by `row_tile` on AVX-512) gets bit for bit the
+    /// A decode row (a task of one row, served by `row_tile_with` on AVX-512) gets bit for bit the
     /// output the same row gets inside a prefill chunk (tasks of up to 16 rows, served by
-    /// `rows_tile`: blocks of 4, 3, 2 and 1 rows, rows whose span starts or ends inside a
+    /// `rows_tile_with`: blocks of 4, 3, 2 and 1 rows, rows whose span starts or ends inside a
     /// block), on every zoo shape, f32 and f16 rows, 16-position blocks and uneven chunks,
     /// across tile borders and a sliding window; and both within 1e-5 of the f64 reference.
     #[test]
