@@ -142,6 +142,39 @@ unsafe fn exp_shifted_avx512(xs: &mut [f32], m: f32) -> f32 {
     exp_shifted_body(xs, m)
 }
 
+#[inline(always)]
+fn max_body(xs: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let mut chunks = xs.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = a.max(v);
+        }
+    }
+    let rest = chunks.remainder().iter().copied();
+    acc.into_iter()
+        .chain(rest)
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn max_avx512(xs: &[f32]) -> f32 {
+    max_body(xs)
+}
+
+/// The largest of `xs` as `f32::max` folds it (NaNs skipped; −∞ for none), in 16 lanes: a
+/// scalar fold waits on each comparison in turn, which was most of a prompt pass's softmax.
+/// The value is the fold's; only the sign of a zero maximum may differ.
+pub fn max(xs: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::cpu::simd_level() >= crate::cpu::SimdLevel::Avx512 {
+        // SAFETY: AVX-512 F was detected on this CPU.
+        return unsafe { max_avx512(xs) };
+    }
+    max_body(xs)
+}
+
 /// `x ← exp(x − m)` over `xs`, returning their sum: a softmax's numerators and normalizer
 /// for `m` the row's (finite) maximum, through the vectorized exp, summed in a fixed order.
 pub fn exp_shifted_in_place(xs: &mut [f32], m: f32) -> f32 {
@@ -368,6 +401,28 @@ mod tests {
         assert!(worst < 3e-7, "worst relative error {worst}");
         assert_eq!(exp_nonpositive(0.0), 1.0);
         assert!(exp_nonpositive(f32::NEG_INFINITY) < 1e-37);
+    }
+
+    #[test]
+    fn max_is_the_scalar_fold_on_every_path() {
+        let fold = |xs: &[f32]| xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        for n in [0usize, 1, 15, 16, 17, 100, 1031] {
+            let mut xs: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919) % 4001) as f32 / 200.0 - 10.0)
+                .collect();
+            for case in 0..4 {
+                match (case, n) {
+                    (1, 1..) => xs[n / 2] = f32::NAN,
+                    (2, 1..) => xs[n - 1] = 1e30,
+                    (3, 1..) => xs.iter_mut().for_each(|x| *x = f32::NAN),
+                    _ => {}
+                }
+                let want = fold(&xs);
+                for got in [max(&xs), max_body(&xs)] {
+                    assert_eq!(got.to_bits(), want.to_bits(), "n {n} case {case}");
+                }
+            }
+        }
     }
 
     #[test]

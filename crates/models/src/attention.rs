@@ -753,7 +753,7 @@ unsafe fn row_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
     }
     for h in 0..heads {
         let s = &mut scores[h * n..(h + 1) * n];
-        let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let m = switchyard_kernels::fastmath::max(s);
         out[h * plen] = m;
         out[h * plen + 1] = switchyard_kernels::fastmath::exp_shifted_in_place(s, m);
     }
@@ -966,7 +966,7 @@ unsafe fn rows_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
                 continue;
             }
             let s = &mut scores[(j * heads + h) * n..][lo - a..hi - a];
-            let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let m = switchyard_kernels::fastmath::max(s);
             out[at] = m;
             out[at + 1] = switchyard_kernels::fastmath::exp_shifted_in_place(s, m);
         }
@@ -1041,37 +1041,65 @@ unsafe fn block_scores<E: KvLanes, const VECS: usize, const R: usize>(
                 *k = run.k.as_ptr().add((i + p.min(m - 1)) * blk.row + g * hd);
             }
             let mut acc = [[z; 4]; R];
-            for c in 0..VECS {
-                let mut k = [z; 4];
-                for p in 0..4 {
-                    k[p] = E::load16(kp[p].add(c * 16));
-                }
-                for r in 0..R {
-                    let x = _mm512_loadu_ps(qs[r].add(c * 16));
-                    for p in 0..4 {
-                        acc[r][p] = _mm512_fmadd_ps(x, k[p], acc[r][p]);
-                    }
-                }
-            }
+            quad_dots::<E, VECS, R>(&qs, &kp, &mut acc);
+            // A quad past the run's end repeats its last position; each dot product is
+            // summed from its own lanes only (`fold4`), so the repeats change nothing and are
+            // not stored.
+            let scale = _mm_set1_ps(scale);
             for (r, a) in acc.iter().enumerate() {
-                let mut sums = [0f32; 4];
-                if folded {
-                    let mut v = [z; 4];
-                    v[..m].copy_from_slice(&a[..m]);
-                    _mm_storeu_ps(sums.as_mut_ptr(), fold4(v[0], v[1], v[2], v[3]));
+                let sums = if folded {
+                    fold4(a[0], a[1], a[2], a[3])
                 } else {
-                    for (p, s) in sums.iter_mut().enumerate().take(m) {
-                        *s = _mm512_reduce_add_ps(a[p]);
-                    }
-                }
+                    _mm_setr_ps(
+                        _mm512_reduce_add_ps(a[0]),
+                        _mm512_reduce_add_ps(a[1]),
+                        _mm512_reduce_add_ps(a[2]),
+                        _mm512_reduce_add_ps(a[3]),
+                    )
+                };
                 let at = ((j0 + r) * blk.heads + h) * blk.n + run.at + i;
-                for (d, s) in scores[at..at + m].iter_mut().zip(sums) {
-                    *d = s * scale;
+                let dst = &mut scores[at..at + m];
+                let scaled = _mm_mul_ps(sums, scale);
+                if m == 4 {
+                    _mm_storeu_ps(dst.as_mut_ptr(), scaled);
+                } else {
+                    let mut four = [0f32; 4];
+                    _mm_storeu_ps(four.as_mut_ptr(), scaled);
+                    dst.copy_from_slice(&four[..m]);
                 }
             }
             i += 4;
         }
     }
+}
+
+/// The dot products of `R` query rows with four positions' key rows (`acc[r][p]`, lanes not
+/// yet summed), each accumulated over the head's vectors in order. Not inlined: inside its
+/// caller the compiler unrolled the loop whole, hoisted every K load ahead of the products
+/// and spilled most accumulators to the stack.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline(never)]
+unsafe fn quad_dots<E: KvLanes, const VECS: usize, const R: usize>(
+    qs: &[*const f32; R],
+    kp: &[*const E; 4],
+    acc: &mut [[std::arch::x86_64::__m512; 4]; R],
+) {
+    use std::arch::x86_64::*;
+    let mut a = *acc;
+    for c in 0..VECS {
+        let mut k = [_mm512_setzero_ps(); 4];
+        for p in 0..4 {
+            k[p] = E::load16(kp[p].add(c * 16));
+        }
+        for r in 0..R {
+            let x = _mm512_loadu_ps(qs[r].add(c * 16));
+            for p in 0..4 {
+                a[r][p] = _mm512_fmadd_ps(x, k[p], a[r][p]);
+            }
+        }
+    }
+    *acc = a;
 }
 
 /// Four vectors (values `c0..c0 + 64` of key/value head row offset `off`) of the outputs of
@@ -1188,7 +1216,7 @@ fn tile_with<O: Ops>(seq: &SeqAttn<'_>, task: &Task, shape: &AttnShape, out: &mu
                 continue;
             }
             let s = &mut scores[(kk * heads + h) * TILE..][lo - t0..hi - t0];
-            let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let m = switchyard_kernels::fastmath::max(s);
             out[at] = m;
             out[at + 1] = switchyard_kernels::fastmath::exp_shifted_in_place(s, m);
         }
