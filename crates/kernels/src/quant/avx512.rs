@@ -187,13 +187,24 @@ unsafe fn panel_rows<
                     // Two independent chains of dot products (even and odd groups): one row
                     // alone would otherwise wait on each `vpdpbusd` in turn. Integer sums are
                     // exact, so the split changes no bit.
-                    let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-                    for g in (0..GROUPS).step_by(2) {
-                        let (w0, w1) = (x.add(g).read_unaligned(), x.add(g + 1).read_unaligned());
-                        even = _mm512_dpbusd_epi32(even, wv[g], _mm512_set1_epi32(w0));
-                        odd = _mm512_dpbusd_epi32(odd, wv[g + 1], _mm512_set1_epi32(w1));
-                    }
-                    let isum = _mm512_add_epi32(even, odd);
+                    let isum = if ROWS >= 4 {
+                        // Enough rows side by side to hide each chain's latency: one chain,
+                        // one instruction fewer per row and sub-block.
+                        let mut sum = _mm512_setzero_si512();
+                        for g in 0..GROUPS {
+                            let w = _mm512_set1_epi32(x.add(g).read_unaligned());
+                            sum = _mm512_dpbusd_epi32(sum, wv[g], w);
+                        }
+                        sum
+                    } else {
+                        let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                        for g in (0..GROUPS).step_by(2) {
+                            let (w0, w1) = (x.add(g).read_unaligned(), x.add(g + 1).read_unaligned());
+                            even = _mm512_dpbusd_epi32(even, wv[g], _mm512_set1_epi32(w0));
+                            odd = _mm512_dpbusd_epi32(odd, wv[g + 1], _mm512_set1_epi32(w1));
+                        }
+                        _mm512_add_epi32(even, odd)
+                    };
                     let t1 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(isum));
                     let t2 = _mm512_mul_ps(mv, _mm512_set1_ps(*s_rows[$t].add(s)));
                     let dx = _mm512_set1_ps(*d_rows[$t].add(block_of_sub));
