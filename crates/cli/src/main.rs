@@ -68,6 +68,9 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     init_tracing(cli.verbose);
+    if !switchyard_kernels::mem::tune_for_inference() {
+        tracing::debug!("allocator thresholds left as they are (not glibc)");
+    }
     let threads = init_threads(cli.threads);
     let result = match cli.command {
         Command::Models(c) => models::run(c),

@@ -8,6 +8,7 @@
 
 pub mod cpu;
 pub mod fastmath;
+pub mod mem;
 pub mod pool;
 pub mod prof;
 pub mod quant;

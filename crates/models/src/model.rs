@@ -158,6 +158,7 @@ impl LayeredModel {
     pub fn drop_io(&mut self) {
         self.embedding = None;
         self.head = None;
+        switchyard_kernels::mem::return_free_memory();
     }
 
     /// Holds the token embedding and the LM head again (after [`LayeredModel::drop_io`]).
@@ -236,10 +237,12 @@ impl LayeredModel {
         Ok(())
     }
 
-    /// Frees layer `l`'s weights.
+    /// Frees layer `l`'s weights, and hands their memory back to the system.
     pub fn drop_layer(&mut self, l: usize) {
         if let Some(slot) = self.layers.get_mut(l) {
-            *slot = None;
+            if slot.take().is_some() {
+                switchyard_kernels::mem::return_free_memory();
+            }
         }
     }
 

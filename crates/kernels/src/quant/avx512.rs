@@ -199,7 +199,8 @@ unsafe fn panel_rows<
                     } else {
                         let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
                         for g in (0..GROUPS).step_by(2) {
-                            let (w0, w1) = (x.add(g).read_unaligned(), x.add(g + 1).read_unaligned());
+                            let (w0, w1) =
+                                (x.add(g).read_unaligned(), x.add(g + 1).read_unaligned());
                             even = _mm512_dpbusd_epi32(even, wv[g], _mm512_set1_epi32(w0));
                             odd = _mm512_dpbusd_epi32(odd, wv[g + 1], _mm512_set1_epi32(w1));
                         }
