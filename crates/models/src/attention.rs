@@ -30,7 +30,7 @@
 //! (a prompt pass's) runs `rows_tile_with`: the same arithmetic per row, with a block of rows
 //! sharing every K and V load, and the value accumulators of several rows and heads in
 //! registers. On a 512-row prompt from position 0 over f16 blocks it took a layer from 7.4 to
-//! 3.6 ms on SmolLM2's shape, 17.9 to 7.3 on Qwen2.5 1.5B's and 9.9 to 3.9 on Gemma 3's (the
+//! 3.3 ms on SmolLM2's shape, 17.9 to 6.3 on Qwen2.5 1.5B's and 9.9 to 3.2 on Gemma 3's (the
 //! ignored `prefill_attention_timing` test).
 //!
 //! f16 rows ([`crate::kv::F16Rows`]) are widened to f32 a row at a time (exactly); 8-bit rows
