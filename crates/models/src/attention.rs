@@ -193,6 +193,34 @@ fn visible(shape: &AttnShape, pos: usize) -> std::ops::Range<usize> {
     shape.window.map_or(0, |w| (pos + 1).saturating_sub(w))..pos + 1
 }
 
+/// Each of `task`'s rows' visible positions inside its tile (empty where it sees none).
+fn tile_spans(seq: &SeqAttn<'_>, task: &Task, shape: &AttnShape) -> Vec<(usize, usize)> {
+    let (t0, t1) = (task.tile * TILE, (task.tile + 1) * TILE);
+    task.rows
+        .clone()
+        .map(|r| {
+            let v = visible(shape, seq.start + r);
+            (v.start.max(t0), v.end.min(t1))
+        })
+        .collect()
+}
+
+/// A (row, head) partial's `m` and `l` from its scores over its visible positions, the scores
+/// replaced by their softmax numerators: `out[at] = max s`, `out[at + 1] = Σ exp(s − max)`.
+#[inline]
+fn softmax_partial(scores: &mut [f32], out: &mut [f32], at: usize) {
+    let m = switchyard_kernels::fastmath::max(scores);
+    out[at] = m;
+    out[at + 1] = switchyard_kernels::fastmath::exp_shifted_in_place(scores, m);
+}
+
+/// The partial of a (row, head) that sees no position of the tile (the merge skips it).
+#[inline]
+fn empty_partial(out: &mut [f32], at: usize) {
+    out[at] = f32::NEG_INFINITY;
+    out[at + 1] = 0.0;
+}
+
 /// Each row's output from its tiles' partials, merged in tile order.
 fn merge(seqs: &[SeqAttn<'_>], shape: &AttnShape, tasks: &[Task], parts: &[Vec<f32>]) -> Vec<f32> {
     let hd = shape.head_dim;
@@ -695,8 +723,7 @@ unsafe fn row_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
     );
     if lo >= hi {
         for h in 0..heads {
-            out[h * plen] = f32::NEG_INFINITY;
-            out[h * plen + 1] = 0.0;
+            empty_partial(out, h * plen);
         }
         return;
     }
@@ -752,10 +779,7 @@ unsafe fn row_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
         }
     }
     for h in 0..heads {
-        let s = &mut scores[h * n..(h + 1) * n];
-        let m = switchyard_kernels::fastmath::max(s);
-        out[h * plen] = m;
-        out[h * plen + 1] = switchyard_kernels::fastmath::exp_shifted_in_place(s, m);
+        softmax_partial(&mut scores[h * n..(h + 1) * n], out, h * plen);
     }
     let most = match VECS {
         0..=4 => 4,
@@ -901,20 +925,11 @@ unsafe fn rows_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
     let heads = shape.n_heads;
     let group = heads / shape.n_kv_heads;
     let plen = partial_len(hd);
-    let (t0, t1) = (task.tile * TILE, (task.tile + 1) * TILE);
-    let spans: Vec<(usize, usize)> = task
-        .rows
-        .clone()
-        .map(|r| {
-            let v = visible(shape, seq.start + r);
-            (v.start.max(t0), v.end.min(t1))
-        })
-        .collect();
+    let spans = tile_spans(seq, task, shape);
     let seen = || spans.iter().filter(|s| s.0 < s.1);
     let (Some(a), Some(b)) = (seen().map(|s| s.0).min(), seen().map(|s| s.1).max()) else {
-        for at in (0..spans.len() * heads).map(|i| i * plen) {
-            out[at] = f32::NEG_INFINITY;
-            out[at + 1] = 0.0;
+        for i in 0..spans.len() * heads {
+            empty_partial(out, i * plen);
         }
         return;
     };
@@ -961,14 +976,10 @@ unsafe fn rows_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
         for h in 0..heads {
             let at = (j * heads + h) * plen;
             if lo >= hi {
-                out[at] = f32::NEG_INFINITY;
-                out[at + 1] = 0.0;
-                continue;
+                empty_partial(out, at);
+            } else {
+                softmax_partial(&mut scores[(j * heads + h) * n..][lo - a..hi - a], out, at);
             }
-            let s = &mut scores[(j * heads + h) * n..][lo - a..hi - a];
-            let m = switchyard_kernels::fastmath::max(s);
-            out[at] = m;
-            out[at + 1] = switchyard_kernels::fastmath::exp_shifted_in_place(s, m);
         }
     }
     for g in 0..shape.n_kv_heads {
@@ -1178,16 +1189,8 @@ fn tile_with<O: Ops>(seq: &SeqAttn<'_>, task: &Task, shape: &AttnShape, out: &mu
     let row = shape.n_kv_heads * hd;
     let width = heads * hd;
     let plen = partial_len(hd);
-    let (t0, t1) = (task.tile * TILE, (task.tile + 1) * TILE);
-    // Each row's visible positions inside the tile.
-    let spans: Vec<(usize, usize)> = task
-        .rows
-        .clone()
-        .map(|r| {
-            let v = visible(shape, seq.start + r);
-            (v.start.max(t0), v.end.min(t1))
-        })
-        .collect();
+    let t0 = task.tile * TILE;
+    let spans = tile_spans(seq, task, shape);
     let a = spans.iter().map(|s| s.0).min().unwrap_or(t0);
     let b = spans.iter().map(|s| s.1).max().unwrap_or(t0);
     let mut buf = vec![0f32; row];
@@ -1211,14 +1214,14 @@ fn tile_with<O: Ops>(seq: &SeqAttn<'_>, task: &Task, shape: &AttnShape, out: &mu
         for h in 0..heads {
             let at = (kk * heads + h) * plen;
             if lo >= hi {
-                out[at] = f32::NEG_INFINITY;
-                out[at + 1] = 0.0;
-                continue;
+                empty_partial(out, at);
+            } else {
+                softmax_partial(
+                    &mut scores[(kk * heads + h) * TILE..][lo - t0..hi - t0],
+                    out,
+                    at,
+                );
             }
-            let s = &mut scores[(kk * heads + h) * TILE..][lo - t0..hi - t0];
-            let m = switchyard_kernels::fastmath::max(s);
-            out[at] = m;
-            out[at + 1] = switchyard_kernels::fastmath::exp_shifted_in_place(s, m);
         }
     }
     for_positions(&seq.chunks, a, b, Half::V, row, |c, t, p| {
