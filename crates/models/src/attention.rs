@@ -1019,6 +1019,10 @@ unsafe fn rows_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
 /// Scores of head `h` (key/value head `g`) for the `R` rows from `j0`, over every position of
 /// the block's joint span: four positions of `R` rows at a time, each dot product summed and
 /// folded as [`row_tile_with`] does. Positions outside a row's own span get scores nobody reads.
+///
+/// # Safety
+/// The CPU must have avx512f; `blk`'s runs hold `n` rows of `row` values each, of which key/
+/// value head `g`'s `VECS * 16` are read (`(g + 1) * VECS * 16 <= row`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -1088,6 +1092,9 @@ unsafe fn block_scores<E: KvLanes, const VECS: usize, const R: usize>(
 /// yet summed), each accumulated over the head's vectors in order. Not inlined: inside its
 /// caller the compiler unrolled the loop whole, hoisted every K load ahead of the products
 /// and spilled most accumulators to the stack.
+///
+/// # Safety
+/// The CPU must have avx512f, and `VECS * 16` values must be readable at every pointer.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline(never)]
@@ -1117,6 +1124,9 @@ unsafe fn quad_dots<E: KvLanes, const VECS: usize, const R: usize>(
 /// heads `h0..h0 + S` for the `R` rows from `j0`: their accumulators stay in registers over
 /// the tile, each updated once per position of its row's span, in order (`o = w · v + o`, as
 /// [`row_values`] does).
+///
+/// # Safety
+/// The CPU must have avx512f, and `off + 64 <= row` for `blk`'s rows of `row` values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -1156,7 +1166,7 @@ unsafe fn block_values<E: KvLanes, const R: usize, const S: usize>(
                     continue;
                 }
                 for s in 0..S {
-                    let w = _mm512_set1_ps(*scores.get_unchecked(w_at[r][s] + run.at + i));
+                    let w = _mm512_set1_ps(scores[w_at[r][s] + run.at + i]);
                     for c in 0..4 {
                         acc[r][s][c] = _mm512_fmadd_ps(w, x[c], acc[r][s][c]);
                     }
