@@ -1046,7 +1046,7 @@ unsafe fn block_scores<E: KvLanes, const VECS: usize, const R: usize>(
     for (r, p) in qs.iter_mut().enumerate() {
         *p = q[(j0 + r) * width + h * hd..][..hd].as_ptr();
     }
-    let z = _mm512_setzero_ps();
+    let scale = _mm_set1_ps(scale);
     for run in blk.runs {
         let mut i = 0;
         while i < run.n {
@@ -1055,12 +1055,10 @@ unsafe fn block_scores<E: KvLanes, const VECS: usize, const R: usize>(
             for (p, k) in kp.iter_mut().enumerate() {
                 *k = run.k.as_ptr().add((i + p.min(m - 1)) * blk.row + g * hd);
             }
-            let mut acc = [[z; 4]; R];
-            quad_dots::<E, VECS, R>(&qs, &kp, &mut acc);
             // A quad past the run's end repeats its last position; each dot product is
             // summed from its own lanes only (`fold4`), so the repeats change nothing and are
             // not stored.
-            let scale = _mm_set1_ps(scale);
+            let acc = quad_dots::<E, VECS, R>(&qs, &kp);
             for (r, a) in acc.iter().enumerate() {
                 let sums = if folded {
                     fold4(a[0], a[1], a[2], a[3])
@@ -1101,10 +1099,9 @@ unsafe fn block_scores<E: KvLanes, const VECS: usize, const R: usize>(
 unsafe fn quad_dots<E: KvLanes, const VECS: usize, const R: usize>(
     qs: &[*const f32; R],
     kp: &[*const E; 4],
-    acc: &mut [[std::arch::x86_64::__m512; 4]; R],
-) {
+) -> [[std::arch::x86_64::__m512; 4]; R] {
     use std::arch::x86_64::*;
-    let mut a = *acc;
+    let mut a = [[_mm512_setzero_ps(); 4]; R];
     for c in 0..VECS {
         let mut k = [_mm512_setzero_ps(); 4];
         for p in 0..4 {
@@ -1117,7 +1114,7 @@ unsafe fn quad_dots<E: KvLanes, const VECS: usize, const R: usize>(
             }
         }
     }
-    *acc = a;
+    a
 }
 
 /// Four vectors (values `c0..c0 + 64` of key/value head row offset `off`) of the outputs of
@@ -1589,9 +1586,10 @@ mod tests {
                         }
                     };
                     let chunk = attend_one(&q, ctx - n, n, chunks(), &s);
+                    let mut alone = Vec::new();
                     for i in 0..n {
                         let one = &q[i * width..(i + 1) * width];
-                        let alone = attend_one(one, ctx - n + i, 1, chunks(), &s);
+                        alone = attend_one(one, ctx - n + i, 1, chunks(), &s);
                         assert!(
                             chunk[i * width..(i + 1) * width]
                                 .iter()
@@ -1600,8 +1598,8 @@ mod tests {
                             "{s:?} ctx {ctx} block {block} f16 {half} row {i} of {n}"
                         );
                     }
+                    // `alone` is now the last row's.
                     let last = &q[(n - 1) * width..];
-                    let alone = attend_one(last, ctx - 1, 1, chunks(), &s);
                     let (kr, vr): (Vec<f32>, Vec<f32>) = if half {
                         (
                             kh.iter().map(|x| x.to_f32()).collect(),

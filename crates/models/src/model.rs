@@ -154,7 +154,8 @@ impl LayeredModel {
     /// dropped too, the model holds almost nothing: an engine that does not serve, or a
     /// scorer between batches. [`LayeredModel::embed`] then reads each token's row from the
     /// source, and the head is read in slices of [`HEAD_SLICE_ROWS`] vocabulary rows
-    /// ([`LayeredModel::lm_head_slices`]); [`LayeredModel::load_io`] holds them again.
+    /// ([`LayeredModel::lm_head_slices`]); [`LayeredModel::load_io`] holds them again. Their
+    /// memory goes back to the system.
     pub fn drop_io(&mut self) {
         self.embedding = None;
         self.head = None;

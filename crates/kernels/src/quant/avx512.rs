@@ -184,9 +184,7 @@ unsafe fn panel_rows<
                     // SAFETY: `s * sub + 4 * GROUPS <= subs * sub` codes, block
                     // `s * sub / 32` and sum `s` lie inside the row slices checked above.
                     let x = x_rows[$t].add(s * GROUPS);
-                    // Two independent chains of dot products (even and odd groups): one row
-                    // alone would otherwise wait on each `vpdpbusd` in turn. Integer sums are
-                    // exact, so the split changes no bit.
+                    // Integer sums are exact, so how the chains are split changes no bit.
                     let isum = if ROWS >= 4 {
                         // Enough rows side by side to hide each chain's latency: one chain,
                         // one instruction fewer per row and sub-block.
@@ -197,6 +195,8 @@ unsafe fn panel_rows<
                         }
                         sum
                     } else {
+                        // Two independent chains (even and odd groups): a row or two alone
+                        // would otherwise wait on each `vpdpbusd` in turn.
                         let (mut even, mut odd) = (_mm512_setzero_si512(), _mm512_setzero_si512());
                         for g in (0..GROUPS).step_by(2) {
                             let (w0, w1) =
