@@ -240,77 +240,82 @@ fn gelu_tanh(x: f32) -> f32 {
 }
 
 #[inline(always)]
-fn gelu_tanh_mul_body(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = gelu_tanh(g) * u;
+fn gelu_tanh_mul_body(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = gelu_tanh(*g) * u;
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn gelu_tanh_mul_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    gelu_tanh_mul_body(gate, up, out)
+unsafe fn gelu_tanh_mul_avx2(gate: &mut [f32], up: &[f32]) {
+    gelu_tanh_mul_body(gate, up)
 }
 
 /// See [`sum_exp_avx512`]: the same operations in 512-bit registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn gelu_tanh_mul_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    gelu_tanh_mul_body(gate, up, out)
+unsafe fn gelu_tanh_mul_avx512(gate: &mut [f32], up: &[f32]) {
+    gelu_tanh_mul_body(gate, up)
 }
 
-/// `out[i] = gelu_tanh(gate[i]) * up[i]`, the gated MLP's activation in one pass; the same
-/// bits on every instruction set. The three slices must have the same length.
-pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    assert!(
-        gate.len() == out.len() && up.len() == out.len(),
-        "gate, up and output lengths"
-    );
-    #[cfg(target_arch = "x86_64")]
-    if crate::cpu::simd_level() >= crate::cpu::SimdLevel::Avx512 {
-        // SAFETY: AVX-512 F (with AVX2 and FMA) was detected on this CPU.
-        return unsafe { gelu_tanh_mul_avx512(gate, up, out) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if crate::cpu::simd_level() >= crate::cpu::SimdLevel::Avx2 {
-        // SAFETY: AVX2 and FMA were detected on this CPU (every level from Avx2 up has them).
-        return unsafe { gelu_tanh_mul_avx2(gate, up, out) };
-    }
-    gelu_tanh_mul_body(gate, up, out)
-}
-
-/// Values above which [`silu_mul`] is split over the pool's threads.
-const PARALLEL_MIN_SILU: usize = 1 << 15;
-
-/// `out[i] = silu(gate[i]) * up[i]` with candle's SiLU, `x / (1 + e^(−x))` through libm's
-/// `expf`, bit for bit: one pass over both, no intermediate tensors, large inputs spread over
-/// the pool's threads (candle maps it on one thread, then allocates the product). libm
-/// rather than the vectorized exp: a vectorized SiLU as accurate on exact weights moved the
-/// 8-bit-activation comparison with candle's quantized llama from 57 to 52 of 64 argmax
-/// agreements. The three slices must have the same length.
-pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    assert!(
-        gate.len() == out.len() && up.len() == out.len(),
-        "gate, up and output lengths"
-    );
-    let body = |g: &[f32], u: &[f32], o: &mut [f32]| {
-        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-            *o = g / (1.0 + (-g).exp()) * u;
+/// `gate[i] = gelu_tanh(gate[i]) * up[i]`, the gated MLP's activation in one pass, in place;
+/// the same bits on every instruction set, large inputs spread over the pool's threads. The
+/// two slices must have the same length.
+pub fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    fn body(gate: &mut [f32], up: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::cpu::simd_level() >= crate::cpu::SimdLevel::Avx512 {
+            // SAFETY: AVX-512 F (with AVX2 and FMA) was detected on this CPU.
+            return unsafe { gelu_tanh_mul_avx512(gate, up) };
         }
-    };
-    if out.len() < PARALLEL_MIN_SILU {
-        return body(gate, up, out);
+        #[cfg(target_arch = "x86_64")]
+        if crate::cpu::simd_level() >= crate::cpu::SimdLevel::Avx2 {
+            // SAFETY: AVX2 and FMA were detected on this CPU (every level from Avx2 up has
+            // them).
+            return unsafe { gelu_tanh_mul_avx2(gate, up) };
+        }
+        gelu_tanh_mul_body(gate, up)
     }
-    let per = out.len().div_ceil(crate::pool::global().threads() * 4);
-    // Each task writes its own slice (taken through a lock it alone uses).
+    gated_over_pool(gate, up, body)
+}
+
+/// Values above which the gated activations are split over the pool's threads.
+const PARALLEL_MIN_GATED: usize = 1 << 15;
+
+/// `body(gate, up)` on equal runs of both, over the pool's threads for large inputs (each
+/// element's result depends on its own inputs only, so the split changes no bit).
+fn gated_over_pool(gate: &mut [f32], up: &[f32], body: fn(&mut [f32], &[f32])) {
+    assert_eq!(gate.len(), up.len(), "gate and up lengths");
+    if gate.len() < PARALLEL_MIN_GATED {
+        return body(gate, up);
+    }
+    let per = gate.len().div_ceil(crate::pool::global().threads() * 4);
+    // Each task writes its own run (taken through a lock it alone uses).
     let parts: Vec<std::sync::Mutex<&mut [f32]>> =
-        out.chunks_mut(per).map(std::sync::Mutex::new).collect();
+        gate.chunks_mut(per).map(std::sync::Mutex::new).collect();
     crate::pool::run(parts.len(), &|t| {
-        if let Ok(mut o) = parts[t].lock() {
-            let r = t * per..(t * per + o.len());
-            body(&gate[r.clone()], &up[r], &mut o);
+        if let Ok(mut g) = parts[t].lock() {
+            let at = t * per;
+            let n = g.len();
+            body(&mut g, &up[at..at + n]);
         }
     });
+}
+
+/// `gate[i] = silu(gate[i]) * up[i]` in place, with candle's SiLU, `x / (1 + e^(−x))` through
+/// libm's `expf`, bit for bit: one pass over both, no intermediate tensors, large inputs
+/// spread over the pool's threads (candle maps it on one thread, then allocates the product).
+/// libm rather than the vectorized exp: a vectorized SiLU as accurate on exact weights moved
+/// the 8-bit-activation comparison with candle's quantized llama from 57 to 52 of 64 argmax
+/// agreements. The two slices must have the same length.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    fn body(gate: &mut [f32], up: &[f32]) {
+        for (g, &u) in gate.iter_mut().zip(up) {
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        }
+    }
+    gated_over_pool(gate, up, body)
 }
 
 /// Rows whose sums of squares [`rms_norm`] runs side by side.
@@ -517,12 +522,14 @@ mod tests {
 
     #[test]
     fn gelu_is_within_its_bound_and_the_same_bits_on_every_path() {
-        let xs: Vec<f32> = (0..24_001).map(|i| i as f32 / 1000.0 - 12.0).collect();
+        let xs: Vec<f32> = (0..48_001).map(|i| i as f32 / 2000.0 - 12.0).collect();
         let ups: Vec<f32> = xs.iter().map(|x| 1.0 + x / 16.0).collect();
-        let mut got = vec![0f32; xs.len()];
-        gelu_tanh_mul(&xs, &ups, &mut got);
-        let mut portable = vec![0f32; xs.len()];
-        gelu_tanh_mul_body(&xs, &ups, &mut portable);
+        // Large enough to be split over the pool.
+        assert!(xs.len() > PARALLEL_MIN_GATED);
+        let mut got = xs.clone();
+        gelu_tanh_mul(&mut got, &ups);
+        let mut portable = xs.clone();
+        gelu_tanh_mul_body(&mut portable, &ups);
         assert!(got
             .iter()
             .zip(&portable)
@@ -592,8 +599,8 @@ mod tests {
         for n in [1000usize, 100_000] {
             let gate: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 12.0).collect();
             let up: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos() * 3.0).collect();
-            let mut got = vec![0f32; n];
-            silu_mul(&gate, &up, &mut got);
+            let mut got = gate.clone();
+            silu_mul(&mut got, &up);
             let g = Tensor::from_vec(gate.clone(), n, &Device::Cpu).unwrap();
             let u = Tensor::from_vec(up.clone(), n, &Device::Cpu).unwrap();
             let want: Vec<f32> = (g.silu().unwrap() * u).unwrap().to_vec1().unwrap();

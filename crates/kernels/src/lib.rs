@@ -60,6 +60,39 @@ fn with_values<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     Ok(f(&v))
 }
 
+/// `x * ws[i]^T` for every weight (`widths[i]` outputs each, `rows` rows of `x`), into fresh
+/// vectors that are not zeroed first: the kernel writes every element.
+fn products(
+    ws: &[&PackedWeight],
+    widths: &[usize],
+    x: &Tensor,
+    rows: usize,
+    part: Part,
+) -> Result<Vec<Vec<f32>>> {
+    let mut outs: Vec<Vec<f32>> = widths
+        .iter()
+        .map(|&n| Vec::with_capacity(rows * n))
+        .collect();
+    with_values(x, |xs| {
+        let mut views: Vec<&mut [std::mem::MaybeUninit<f32>]> = outs
+            .iter_mut()
+            .zip(widths)
+            .map(|(o, &n)| &mut o.spare_capacity_mut()[..rows * n])
+            .collect();
+        quant::matmul_many_uninit_as(ws, xs, rows, &mut views, part)
+    })?;
+    for (o, &n) in outs.iter_mut().zip(widths) {
+        // SAFETY: the capacity is `rows * n`, and `matmul_many_uninit_as` returned, having
+        // written all `rows * n` values of this output.
+        unsafe { o.set_len(rows * n) };
+    }
+    Ok(outs)
+}
+
+/// Several layers' outputs as row-major values (one vector per layer), with the input's
+/// leading dimensions.
+pub type Products = (Vec<Vec<f32>>, Vec<usize>);
+
 /// A linear layer `y = x W^T + b` whose weight `W` is `[out_features, in_features]`.
 /// Cloning shares the weight (tied embeddings and LM head hold one copy).
 #[derive(Debug, Clone)]
@@ -193,12 +226,7 @@ impl QLinear {
                     );
                 }
                 let rows: usize = dims.iter().product();
-                let copy = prof::time(Part::Copy);
-                let mut out = vec![0f32; rows * self.out_features];
-                drop(copy);
-                with_values(x, |xs| {
-                    quant::matmul_many_as(&[&**p], xs, rows, &mut [&mut out], part)
-                })?;
+                let out = products(&[&**p], &[self.out_features], x, rows, part)?.remove(0);
                 dims.push(self.out_features);
                 let _copy = prof::time(Part::Copy);
                 Tensor::from_vec(out, dims, x.device())?
@@ -230,35 +258,9 @@ impl QLinear {
     /// `[layer.forward(x) for layer in layers]`, bit for bit, computed together where the
     /// kernels allow (see [`quant::matmul_many`]): a layer's q/k/v or gate/up projections.
     pub fn forward_many(layers: &[&QLinear], x: &Tensor) -> Result<Vec<Tensor>> {
-        let packed: Option<Vec<&PackedWeight>> = layers
-            .iter()
-            .map(|l| match &l.kernel {
-                Kernel::Packed(p) => Some(&**p),
-                Kernel::Candle(_) => None,
-            })
-            .collect();
-        let Some(ws) = packed.filter(|ws| ws.len() > 1 && !tap::active()) else {
+        let Some((outs, dims)) = Self::products_together(layers, x)? else {
             return layers.iter().map(|l| l.forward(x)).collect();
         };
-        let mut dims = x.dims().to_vec();
-        let k = dims.pop().unwrap_or(0);
-        if let Some(l) = layers.iter().find(|l| l.in_features != k) {
-            candle_core::bail!("input has {k} features, the layer takes {}", l.in_features);
-        }
-        let _enter = layers[0].span.enter();
-        let rows: usize = dims.iter().product();
-        let copy = prof::time(Part::Copy);
-        let mut outs: Vec<Vec<f32>> = layers
-            .iter()
-            .map(|l| vec![0f32; rows * l.out_features])
-            .collect();
-        drop(copy);
-        {
-            let mut views: Vec<&mut [f32]> = outs.iter_mut().map(Vec::as_mut_slice).collect();
-            with_values(x, |xs| {
-                quant::matmul_many_as(&ws, xs, rows, &mut views, layers[0].part())
-            })?;
-        }
         layers
             .iter()
             .zip(outs)
@@ -278,6 +280,49 @@ impl QLinear {
                 }
             })
             .collect()
+    }
+
+    /// The products of [`QLinear::forward_many`] as row-major values, with the input's leading
+    /// dimensions, where they are computed together (every layer packed, none with a bias):
+    /// for a caller that transforms them in place, such as the gated MLP's activation. `None`
+    /// where [`QLinear::forward_many`] would compute them one by one.
+    pub fn forward_many_values(
+        layers: &[&QLinear],
+        x: &Tensor,
+    ) -> Result<Option<Products>> {
+        if layers.iter().any(|l| l.bias.is_some()) {
+            return Ok(None);
+        }
+        Self::products_together(layers, x)
+    }
+
+    /// Every layer's product before its bias, computed together, and the input's leading
+    /// dimensions; `None` unless there are several layers, all packed, and no tap observes
+    /// them (a tap needs each layer's own call).
+    fn products_together(
+        layers: &[&QLinear],
+        x: &Tensor,
+    ) -> Result<Option<Products>> {
+        let packed: Option<Vec<&PackedWeight>> = layers
+            .iter()
+            .map(|l| match &l.kernel {
+                Kernel::Packed(p) => Some(&**p),
+                Kernel::Candle(_) => None,
+            })
+            .collect();
+        let Some(ws) = packed.filter(|ws| ws.len() > 1 && !tap::active()) else {
+            return Ok(None);
+        };
+        let mut dims = x.dims().to_vec();
+        let k = dims.pop().unwrap_or(0);
+        if let Some(l) = layers.iter().find(|l| l.in_features != k) {
+            candle_core::bail!("input has {k} features, the layer takes {}", l.in_features);
+        }
+        let _enter = layers[0].span.enter();
+        let rows: usize = dims.iter().product();
+        let widths: Vec<usize> = layers.iter().map(|l| l.out_features).collect();
+        let outs = products(&ws, &widths, x, rows, layers[0].part())?;
+        Ok(Some((outs, dims)))
     }
 
     /// Rows `ids` of the weight as f32 `[ids.len(), in_features]` (an embedding lookup),
@@ -342,5 +387,65 @@ impl QLinear {
             Kernel::Packed(_) => "switchyard",
             Kernel::Candle(_) => "candle",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+
+    fn layer(n: usize, k: usize, seed: u64, bias: bool) -> QLinear {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let values: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let w = Tensor::from_vec(values, (n, k), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&w, GgmlDType::Q4K).unwrap();
+        let b = bias.then(|| Tensor::arange(0f32, n as f32, &Device::Cpu).unwrap());
+        QLinear::new(q, b).unwrap()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn products_into_unzeroed_outputs_equal_the_weights_own_product() {
+        // A ragged last panel (300 = 18 * 16 + 12 outputs) and 11 rows (a partial row tile).
+        let (gate, up) = (layer(300, 512, 1, false), layer(300, 512, 2, false));
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let xs: Vec<f32> = (0..11 * 512)
+            .map(|_| rng.random_range(-2.0f32..2.0))
+            .collect();
+        let x = Tensor::from_vec(xs.clone(), (11, 512), &Device::Cpu).unwrap();
+        for (l, seed) in [(&gate, 1), (&up, 2)] {
+            let Kernel::Packed(p) = &l.kernel else {
+                panic!("a Q4_K weight is packed")
+            };
+            // The product into an output filled with NaN: every element must be overwritten.
+            let mut want = vec![f32::NAN; 11 * 300];
+            p.matmul(&xs, 11, &mut want);
+            let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(bits(&l.forward(&x).unwrap()), want, "weight {seed}");
+        }
+        let (values, dims) = QLinear::forward_many_values(&[&gate, &up], &x)
+            .unwrap()
+            .expect("two packed layers without bias");
+        assert_eq!(dims, [11]);
+        let together = QLinear::forward_many(&[&gate, &up], &x).unwrap();
+        for ((v, t), l) in values.iter().zip(&together).zip([&gate, &up]) {
+            assert_eq!(t.dims(), [11, 300]);
+            let v: Vec<u32> = v.iter().map(|x| x.to_bits()).collect();
+            assert_eq!(v, bits(t));
+            assert_eq!(bits(&l.forward(&x).unwrap()), bits(t));
+        }
+        // A bias is added after the product: such layers have no values of their own.
+        let biased = layer(300, 512, 4, true);
+        assert!(QLinear::forward_many_values(&[&gate, &biased], &x)
+            .unwrap()
+            .is_none());
     }
 }

@@ -346,47 +346,50 @@ impl GatedMlp {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _span = tracing::trace_span!("mlp").entered();
-        let [gate, up]: [Tensor; 2] = QLinear::forward_many(&[&self.gate, &self.up], x)?
-            .try_into()
-            .map_err(|_| candle_core::Error::Msg("gate/up projections".into()))?;
-        let gated = {
-            let _t = prof::time(Part::Activation);
-            match self.activation {
-                Activation::Silu => silu_mul(&gate, &up)?,
-                Activation::GeluTanh => gelu_tanh_mul(&gate, &up)?,
+        let activation: fn(&mut [f32], &[f32]) = match self.activation {
+            Activation::Silu => fastmath::silu_mul,
+            Activation::GeluTanh => fastmath::gelu_tanh_mul,
+        };
+        // The activation is written over the gate's own values where the products come as
+        // plain values (packed weights): no third buffer of the MLP's width.
+        let gated = match QLinear::forward_many_values(&[&self.gate, &self.up], x)? {
+            Some((mut outs, mut dims)) => {
+                let [gate, up] = &mut outs[..] else {
+                    return Err(candle_core::Error::Msg("gate/up projections".into()).into());
+                };
+                {
+                    let _t = prof::time(Part::Activation);
+                    activation(gate, up);
+                }
+                dims.push(self.gate.out_features());
+                Tensor::from_vec(std::mem::take(gate), dims, x.device())?
+            }
+            None => {
+                let [gate, up]: [Tensor; 2] = QLinear::forward_many(&[&self.gate, &self.up], x)?
+                    .try_into()
+                    .map_err(|_| candle_core::Error::Msg("gate/up projections".into()))?;
+                let _t = prof::time(Part::Activation);
+                gated(&gate, &up, activation)?
             }
         };
         Ok(self.down.forward(&gated)?)
     }
 }
 
-/// `gelu_tanh(gate) * up` in one pass over both (the vectorized GELU of
-/// [`switchyard_kernels::fastmath::gelu_tanh_mul`]), read in place.
-fn gelu_tanh_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    gated(gate, up, "gelu_tanh_mul", fastmath::gelu_tanh_mul)
-}
-
-/// `silu(gate) * up` in one pass over both, candle's SiLU bit for bit
-/// ([`switchyard_kernels::fastmath::silu_mul`]), read in place.
-fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    gated(gate, up, "silu_mul", fastmath::silu_mul)
-}
-
-fn gated(
-    gate: &Tensor,
-    up: &Tensor,
-    what: &str,
-    f: impl FnOnce(&[f32], &[f32], &mut [f32]),
-) -> Result<Tensor> {
+/// `activation(gate, up)` over two tensors of one shape, into a new tensor.
+fn gated(gate: &Tensor, up: &Tensor, activation: fn(&mut [f32], &[f32])) -> Result<Tensor> {
     if gate.shape() != up.shape() {
         return Err(candle_core::Error::Msg(format!(
-            "{what}: gate {:?} and up {:?} differ in shape",
+            "gated activation: gate {:?} and up {:?} differ in shape",
             gate.shape(),
             up.shape()
         ))
         .into());
     }
-    let out = elementwise([gate, up], gate.elem_count(), |[g, u], out| f(g, u, out))?;
+    let out = elementwise([gate, up], gate.elem_count(), |[g, u], out| {
+        out.copy_from_slice(g);
+        activation(out, u)
+    })?;
     Ok(Tensor::from_vec(out, gate.shape(), gate.device())?.to_dtype(gate.dtype())?)
 }
 
