@@ -286,10 +286,7 @@ impl QLinear {
     /// dimensions, where they are computed together (every layer packed, none with a bias):
     /// for a caller that transforms them in place, such as the gated MLP's activation. `None`
     /// where [`QLinear::forward_many`] would compute them one by one.
-    pub fn forward_many_values(
-        layers: &[&QLinear],
-        x: &Tensor,
-    ) -> Result<Option<Products>> {
+    pub fn forward_many_values(layers: &[&QLinear], x: &Tensor) -> Result<Option<Products>> {
         if layers.iter().any(|l| l.bias.is_some()) {
             return Ok(None);
         }
@@ -299,10 +296,7 @@ impl QLinear {
     /// Every layer's product before its bias, computed together, and the input's leading
     /// dimensions; `None` unless there are several layers, all packed, and no tap observes
     /// them (a tap needs each layer's own call).
-    fn products_together(
-        layers: &[&QLinear],
-        x: &Tensor,
-    ) -> Result<Option<Products>> {
+    fn products_together(layers: &[&QLinear], x: &Tensor) -> Result<Option<Products>> {
         let packed: Option<Vec<&PackedWeight>> = layers
             .iter()
             .map(|l| match &l.kernel {

@@ -103,8 +103,12 @@ unsafe fn panel_impl<const GROUPS: usize, const WIDE: bool, const PLANES: usize,
     rows: std::ops::Range<usize>,
     tile: &mut [[f32; PANEL]; MAX_TILE],
 ) {
-    const _: () = assert!(MAX_TILE == 8);
+    const _: () = assert!(MAX_TILE == 12);
     match rows.len() {
+        12 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 12>(w, p, acts, rows.start, tile),
+        11 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 11>(w, p, acts, rows.start, tile),
+        10 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 10>(w, p, acts, rows.start, tile),
+        9 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 9>(w, p, acts, rows.start, tile),
         8 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 8>(w, p, acts, rows.start, tile),
         7 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 7>(w, p, acts, rows.start, tile),
         6 => panel_rows::<GROUPS, WIDE, PLANES, KIND, 6>(w, p, acts, rows.start, tile),
@@ -221,6 +225,10 @@ unsafe fn panel_rows<
         row!(5);
         row!(6);
         row!(7);
+        row!(8);
+        row!(9);
+        row!(10);
+        row!(11);
     }
     for (t, a) in acc.iter().enumerate() {
         _mm512_storeu_ps(tile[t].as_mut_ptr(), *a);

@@ -56,13 +56,26 @@ fn every_level_equals_the_scalar_reference_and_the_bound() {
             &[32, 96, 576]
         };
         for &k in k_options {
-            // Every row count of a tile (1 to 8) and a tile and a half (the kernels
-            // specialize on the count).
-            let shapes = [(1, 1), (16, 2), (17, 3), (16, 4), (513, 5), (20, 6)];
-            for (n, rows) in shapes
-                .into_iter()
-                .chain([(48, 7), (33, 8), (40, 9), (16, 12)])
-            {
+            // Every row count of a tile (1 to 12 on AVX-512, 8 elsewhere), a tile and one
+            // row, and a tile and a half (the kernels specialize on the count).
+            let shapes = [
+                (1, 1),
+                (16, 2),
+                (17, 3),
+                (16, 4),
+                (513, 5),
+                (20, 6),
+                (48, 7),
+            ];
+            for (n, rows) in shapes.into_iter().chain([
+                (33, 8),
+                (40, 9),
+                (16, 10),
+                (17, 11),
+                (16, 12),
+                (20, 13),
+                (33, 18),
+            ]) {
                 let q = quantized(dtype, n, k, (n * k) as u64);
                 let p = PackedWeight::from_qtensor(&q).unwrap().unwrap();
                 let x = random(&mut rng, rows * k);
