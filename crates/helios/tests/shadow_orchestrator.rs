@@ -104,13 +104,22 @@ fn candidate(m: &Opened, e: &ModelEntry) -> (CandidateEngine, ShadowScorer) {
     )
 }
 
+/// How a trace's requests are sent.
+#[derive(Clone, Copy, PartialEq)]
+enum Pace {
+    /// Each after the previous answer, and after every round's worth of requests that
+    /// round's result (without holds, so the lag does not depend on the machine).
+    RoundByRound,
+    /// All at once, then their answers in order.
+    AllAtOnce,
+}
+
 /// What a trace of `phase` prose, `phase` code and `phase` prose requests was served by, and
-/// the orchestrator's counters and rounds. `wait_rounds`: wait after every `ROUND` requests
-/// for that round's result (without holds, so the lag does not depend on the machine).
+/// the orchestrator's counters and rounds.
 fn serve_trace(
     phase: usize,
     shadow: ShadowConfig,
-    wait: bool,
+    pace: Pace,
 ) -> (
     Vec<String>,
     switchyard_helios::orchestrator::OrchestratorStats,
@@ -149,32 +158,42 @@ fn serve_trace(
     let policy = Policy::new(config, slo, BUDGET).expect("policy");
     let o = Orchestrator::start_with_scorers(repo, policy, engines, scorers).expect("start");
 
+    let submit = |(prompt, answer): &(String, String)| {
+        o.submit(HeliosRequest {
+            prompt: HeliosPrompt::Text(prompt.clone()),
+            params: SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(4)
+            },
+            reference: Some(answer.clone()),
+        })
+        .expect("submit")
+    };
     let mut served = Vec::new();
-    for (i, (prompt, answer)) in trace.iter().enumerate() {
-        let done = o
-            .submit(HeliosRequest {
-                prompt: HeliosPrompt::Text(prompt.clone()),
-                params: SamplingParams {
-                    ignore_eos: true,
-                    ..SamplingParams::greedy(4)
-                },
-                reference: Some(answer.clone()),
-            })
-            .expect("submit")
-            .wait()
-            .expect("completion");
+    let mut record = |done: switchyard_helios::orchestrator::HeliosCompletion| {
         assert!(
             !done.evaluation,
             "shadow evaluation serves no evaluation block"
         );
         assert_eq!(done.completion.token_ids.len(), 4);
         served.push(done.model.to_string());
-        if wait && (i + 1) % round == 0 {
-            wait_rounds(&o, ((i + 1) / round) as u64);
+    };
+    match pace {
+        Pace::RoundByRound => {
+            for (i, t) in trace.iter().enumerate() {
+                record(submit(t).wait().expect("completion"));
+                if (i + 1) % round == 0 {
+                    wait_rounds(&o, ((i + 1) / round) as u64);
+                }
+            }
         }
-    }
-    if !wait {
-        wait_rounds(&o, trace.len().div_ceil(round) as u64);
+        Pace::AllAtOnce => {
+            let pending: Vec<_> = trace.iter().map(|t| submit(t)).collect();
+            for p in pending {
+                record(p.wait().expect("completion"));
+            }
+            wait_rounds(&o, trace.len().div_ceil(round) as u64);
+        }
     }
     let stats = o.stats_blocking().expect("stats");
     o.shutdown_blocking();
@@ -225,7 +244,7 @@ fn shadow_evaluation_follows_prose_then_code_then_prose() {
         switch_after: SWITCH_AFTER,
         ..ShadowConfig::default()
     };
-    let (served, stats) = serve_trace(PHASE, shadow, true);
+    let (served, stats) = serve_trace(PHASE, shadow, Pace::RoundByRound);
 
     // Prose first: the fast model, from offline telemetry.
     assert!(served[..PHASE].iter().all(|m| m == SMOL), "{served:?}");
@@ -261,8 +280,8 @@ fn shadow_evaluation_follows_prose_then_code_then_prose() {
 
 #[test]
 fn held_requests_are_served_by_the_choice_their_own_prompt_makes() {
-    // Every request is held for its own round (the test sends the next one only after the
-    // previous answer, so the scorer is idle at each arrival).
+    // Every request is held for its own round. They arrive all at once: the first finds the
+    // scorer idle, and each of the others waits for the rounds before its own.
     let phase = 6;
     let shadow = ShadowConfig {
         share: 1.0,
@@ -273,7 +292,7 @@ fn held_requests_are_served_by_the_choice_their_own_prompt_makes() {
         hold_ms: 600_000,
         ..ShadowConfig::default()
     };
-    let (served, stats) = serve_trace(phase, shadow, false);
+    let (served, stats) = serve_trace(phase, shadow, Pace::AllAtOnce);
     assert!(served[..phase].iter().all(|m| m == SMOL), "{served:?}");
     // The first code request is scored before it is routed: the whole phase on the coder.
     assert!(

@@ -112,10 +112,29 @@ pub(super) struct State {
     /// Serving another candidate because the chosen one became unreachable: back to the best
     /// of all once every candidate serves again.
     failed_over: bool,
-    /// The request waiting for its own prompt's round, and since when.
-    held: Option<(Queued, Instant)>,
+    /// Requests waiting for their own prompt's round, in arrival order (holds).
+    held: VecDeque<Held>,
     /// Rung by every request's outputs, every command and every finished shadow round.
     pub(super) bell: Doorbell,
+}
+
+/// A request held for its own prompt's round.
+struct Held {
+    q: Queued,
+    arrived: Instant,
+    /// Its prompt, until its round is sent.
+    text: Option<ShadowText>,
+    /// When its round was sent (the scorer runs one round at a time, so only the first
+    /// held request can have one in flight).
+    sent: Option<Instant>,
+}
+
+impl Held {
+    /// When it stops waiting: `hold` after its round was sent, or after it arrived while
+    /// its round waits for the scorer.
+    fn deadline(&self, hold: Duration) -> Instant {
+        self.sent.unwrap_or(self.arrived) + hold
+    }
 }
 
 /// The orchestrator's side of shadow evaluation: prompts sampled for the next round, the
@@ -301,7 +320,7 @@ impl State {
             shadow,
             budget_total,
             failed_over: false,
-            held: None,
+            held: VecDeque::new(),
             bell,
         };
         if state.shadow.is_some() {
@@ -373,7 +392,7 @@ impl State {
     fn submit(&mut self, q: Queued) {
         self.counters.requests += 1;
         let hold_ms = self.policy.config.shadow.hold_ms;
-        let mut hold = false;
+        let mut hold = None;
         if let Some(sh) = self.shadow.as_mut().filter(|sh| sh.scoring) {
             let every = self.policy.config.shadow.sample_every as u64;
             if (self.counters.requests - 1).is_multiple_of(every) {
@@ -384,51 +403,88 @@ impl State {
                 };
                 if hold_ms == 0 {
                     sh.pending.push(text);
-                } else if !sh.busy && matches!(self.phase, Phase::Serving { .. }) {
+                } else if matches!(self.phase, Phase::Serving { .. }) {
                     // Held only while serving: an evaluation routes by its own plan.
-                    sh.pending.push(text);
-                    hold = true;
+                    hold = Some(text);
                 } else {
-                    // Holds take every round: a prompt that arrives while one is scored is
-                    // not scored, so that the scorer is free for the next arrival.
                     self.counters.shadow_texts_skipped += 1;
                 }
             }
-            if hold {
-                // This prompt's round goes now, whatever the round size.
-                self.send_round_now(true);
-                hold = self.shadow.as_ref().is_some_and(|sh| sh.busy);
-            } else {
+            if hold.is_none() {
                 self.send_round();
             }
         }
-        if hold {
-            self.counters.held_requests += 1;
-            self.held = Some((q, Instant::now()));
-            return;
+        match hold {
+            Some(text) => {
+                self.counters.held_requests += 1;
+                self.held.push_back(Held {
+                    q,
+                    arrived: Instant::now(),
+                    text: Some(text),
+                    sent: None,
+                });
+                self.send_held_round();
+            }
+            None => self.route(q, true),
         }
-        // Requests arriving during a hold go to the current choice at once.
-        self.route(q, true);
     }
 
-    /// Routes the held request once its round is back or the hold ran out.
-    fn release_held(&mut self, timed_out: bool) {
-        let Some((q, since)) = self.held.take() else {
+    /// Sends the first held request's prompt as a round of its own (unthrottled) if the
+    /// scorer is free; routes it at once if the scorer cannot take it.
+    fn send_held_round(&mut self) {
+        if self.shadow.as_ref().is_none_or(|sh| sh.busy) {
+            return;
+        }
+        let Some(text) = self.held.front_mut().and_then(|h| h.text.take()) else {
             return;
         };
-        self.counters.hold_timeouts += u64::from(timed_out);
-        self.counters.hold_seconds += since.elapsed().as_secs_f64();
-        self.route(q, true);
+        if let Some(sh) = self.shadow.as_mut() {
+            sh.pending.push(text);
+        }
+        self.send_round_now(true);
+        if self.shadow.as_ref().is_some_and(|sh| sh.busy) {
+            if let Some(h) = self.held.front_mut() {
+                h.sent = Some(Instant::now());
+            }
+        } else if let Some(h) = self.held.pop_front() {
+            self.release(h, false);
+        }
     }
 
-    /// Releases the held request if its hold ran out; `true` if it did.
+    /// A round is back: the held request it was sent for goes to what it chose, and the next
+    /// held request's round goes out.
+    fn release_held(&mut self) {
+        if self.held.front().is_some_and(|h| h.sent.is_some()) {
+            if let Some(h) = self.held.pop_front() {
+                self.release(h, false);
+            }
+        }
+        self.send_held_round();
+    }
+
+    /// Routes a held request to the current choice, counting its wait.
+    fn release(&mut self, h: Held, timed_out: bool) {
+        self.counters.hold_timeouts += u64::from(timed_out);
+        self.counters.hold_seconds += h.arrived.elapsed().as_secs_f64();
+        self.route(h.q, true);
+    }
+
+    /// Releases the held requests whose hold ran out; `true` if any did. One whose round is
+    /// in flight goes unscored; that round still counts when it is back.
     fn hold_expired(&mut self) -> bool {
         let hold = Duration::from_millis(self.policy.config.shadow.hold_ms);
-        let expired = matches!(&self.held, Some((_, since)) if since.elapsed() >= hold);
-        if expired {
-            self.release_held(true);
+        let now = Instant::now();
+        if !self.held.iter().any(|h| h.deadline(hold) <= now) {
+            return false;
         }
-        expired
+        let (expired, kept): (VecDeque<Held>, VecDeque<Held>) = std::mem::take(&mut self.held)
+            .into_iter()
+            .partition(|h| h.deadline(hold) <= now);
+        self.held = kept;
+        for h in expired {
+            self.release(h, true);
+        }
+        true
     }
 
     /// Hands `q` to the serving candidate, or to the evaluation; `retry` when it may be sent
@@ -1083,7 +1139,7 @@ impl State {
             Err(err) => {
                 c.shadow_errors += 1;
                 tracing::error!(error = %err, "HELIOS shadow round failed");
-                self.release_held(false);
+                self.release_held();
                 self.send_round();
                 return true;
             }
@@ -1111,7 +1167,7 @@ impl State {
         }
         let by_model = slide_window(&mut sh.recent, window, scores, r.texts);
         let Phase::Serving { serving, .. } = &self.phase else {
-            self.release_held(false);
+            self.release_held();
             self.send_round();
             return true;
         };
@@ -1144,7 +1200,7 @@ impl State {
             }
         }
         // Requests held for this round go to what it chose.
-        self.release_held(false);
+        self.release_held();
         let round = ShadowRound {
             at_request: self.counters.requests,
             serving: ServingInfo::from(&current),
@@ -1323,7 +1379,10 @@ pub(super) fn run(mut s: State, rx: mpsc::Receiver<Command>) {
             }
             s.bell.wait_past(seen, WAKE);
             None
-        } else if s.active.is_empty() && !s.shadow.as_ref().is_some_and(|sh| sh.busy) {
+        } else if s.active.is_empty()
+            && s.held.is_empty()
+            && !s.shadow.as_ref().is_some_and(|sh| sh.busy)
+        {
             match rx.recv() {
                 Ok(c) => Some(c),
                 Err(_) => break,

@@ -80,12 +80,13 @@ pub struct ShadowConfig {
     /// at once, without waiting for `switch_after` agreeing rounds: hysteresis is for noise,
     /// not for a bound the new traffic breaks. `None` turns it off.
     pub change_margin: Option<f64>,
-    /// A sampled request that arrives while the scorer is idle waits up to this many
-    /// milliseconds for its own prompt's round (run unthrottled) before it is routed, so
-    /// that the first request of new traffic is already served by the choice its score
-    /// makes; its time to the first token grows by the round's time. Holds take every round:
-    /// requests arriving during one go to the current choice at once, unscored, and no
-    /// background round is sent. 0: never held (background rounds within `share`).
+    /// A sampled request waits for its own prompt's round (run unthrottled) before it is
+    /// routed, so that the first request of new traffic is already served by the choice its
+    /// score makes; its time to the first token grows by the round's time. Held requests
+    /// take their rounds in arrival order, one at a time: each waits at most this many
+    /// milliseconds for the scorer to take its round, and as long again for the round, then
+    /// goes to the current choice unscored. Holds take every round (no background round is
+    /// sent). 0: never held (background rounds within `share`).
     pub hold_ms: u64,
 }
 
