@@ -133,6 +133,10 @@ pub struct BenchHeliosArgs {
     /// prompt's round before it is routed (0: never held).
     #[arg(long, default_value_t = ShadowConfig::default().hold_ms)]
     shadow_hold_ms: u64,
+    /// At a switch to another model, let the serving model finish its running requests and
+    /// release its layers before the new one loads (the two are never resident together).
+    #[arg(long)]
+    shadow_drain_first: bool,
     /// Do not score the trace's reference answers in the shadow (they are reported, never
     /// used to choose, and double the scoring work).
     #[arg(long)]
@@ -335,6 +339,7 @@ fn options(
                 exit_stride: a.shadow_exit_stride,
                 change_margin: (a.shadow_change_margin > 0.0).then_some(a.shadow_change_margin),
                 hold_ms: a.shadow_hold_ms,
+                drain_first: a.shadow_drain_first,
             },
             ..PolicyConfig::default()
         },

@@ -300,6 +300,8 @@ pub struct Decisions {
     pub extend_seconds: f64,
     pub switches: u64,
     pub switch_seconds: f64,
+    /// Waiting for the old model's requests before switches (`drain_first`).
+    pub switch_drain_seconds: f64,
     pub switch_drained: u64,
     pub cbc_fired: u64,
     pub evaluation_requests: u64,
@@ -326,6 +328,7 @@ impl From<&Counters> for Decisions {
             extend_seconds: c.extend_seconds,
             switches: c.switches,
             switch_seconds: c.switch_seconds,
+            switch_drain_seconds: c.switch_drain_seconds,
             switch_drained: c.switch_drained,
             cbc_fired: c.cbc_fired,
             evaluation_requests: c.evaluation_requests,

@@ -276,12 +276,15 @@ fn shadow_evaluation_follows_prose_then_code_then_prose() {
     assert!(c.shadow_change_points >= 2, "{c:?}");
     assert_eq!(c.shadow_rounds as usize, 3 * PHASE / ROUND);
     assert_eq!(c.held_requests, 0);
+    // Without `drain_first` the old model is still resident when the new one has loaded.
+    assert!(c.switch_overlap_bytes > 50 << 20, "{c:?}");
 }
 
 #[test]
 fn held_requests_are_served_by_the_choice_their_own_prompt_makes() {
     // Every request is held for its own round. They arrive all at once: the first finds the
-    // scorer idle, and each of the others waits for the rounds before its own.
+    // scorer idle, and each of the others waits for the rounds before its own. Switches
+    // drain the old model first.
     let phase = 6;
     let shadow = ShadowConfig {
         share: 1.0,
@@ -290,6 +293,7 @@ fn held_requests_are_served_by_the_choice_their_own_prompt_makes() {
         window: WINDOW,
         switch_after: SWITCH_AFTER,
         hold_ms: 600_000,
+        drain_first: true,
         ..ShadowConfig::default()
     };
     let (served, stats) = serve_trace(phase, shadow, Pace::AllAtOnce);
@@ -315,6 +319,10 @@ fn held_requests_are_served_by_the_choice_their_own_prompt_makes() {
     assert_eq!(c.hold_timeouts, 0, "{c:?}");
     assert!(c.hold_seconds > 0.0);
     assert_eq!(c.switches, 2, "{c:?}");
+    // The old model finished its requests and released its layers before the new one
+    // loaded, at both switches: a parked model keeps its final norm alone (a few KB; the
+    // test above sees SmolLM2's whole 100 MB).
+    assert!(c.switch_overlap_bytes < 64 << 10, "{c:?}");
 }
 
 /// Waits until `n` scoring rounds have finished.

@@ -535,9 +535,10 @@ mod tests {
         let twice = "[helios]\nname = \"m\"\nmanifest = \"x\"\n[[models]]\nname = \"m\"";
         assert!(Config::parse(twice).is_err());
         let shadow = "[helios]\nname = \"h\"\nmanifest = \"m\"\n[helios.policy.shadow]\n\
-                      round = 1\nchange_margin = 0.3\nhold_ms = 5000";
+                      round = 1\nchange_margin = 0.3\nhold_ms = 5000\ndrain_first = true";
         let s = Config::parse(shadow).unwrap().helios.unwrap().policy.shadow;
         assert_eq!((s.round, s.change_margin, s.hold_ms), (1, Some(0.3), 5000));
+        assert!(s.drain_first);
         let margin = "[helios]\nname = \"h\"\nmanifest = \"m\"\npolicy = { shadow = { change_margin = -1.0 } }";
         let e = Config::parse(margin).unwrap_err().to_string();
         assert!(e.contains("shadow.change_margin must be a positive"), "{e}");

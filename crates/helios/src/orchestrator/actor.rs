@@ -1049,6 +1049,12 @@ impl State {
                     return;
                 }
                 let running = self.active.iter().filter(|a| a.engine == engine).count();
+                let overlap = match self.engines[engine].handle.stats().wait() {
+                    Ok(st) => st.memory.weights_bytes,
+                    Err(_) => 0,
+                };
+                self.counters.switch_overlap_bytes =
+                    self.counters.switch_overlap_bytes.max(overlap);
                 self.counters.switches += 1;
                 self.counters.switch_drained += running as u64;
                 self.draining.retain(|&d| d != target);
@@ -1249,6 +1255,9 @@ impl State {
             self.serve(target, engine);
             return true;
         }
+        if self.policy.config.shadow.drain_first {
+            self.drain(engine);
+        }
         if let Some(target) = self.engine_index(&target.model) {
             self.grant(target);
         }
@@ -1261,6 +1270,25 @@ impl State {
             cost_ms,
         });
         matches!(&self.phase, Phase::Serving { serving, .. } if *serving == target)
+    }
+
+    /// Serves `engine`'s running requests to their end, then releases its layers (the
+    /// shadow's `drain_first`, before another model loads). New requests wait in the command
+    /// queue meanwhile; the time is counted in `switch_drain_seconds`.
+    fn drain(&mut self, engine: usize) {
+        let t = Instant::now();
+        loop {
+            let seen = self.bell.rings();
+            self.poll();
+            if !self.active.iter().any(|a| a.engine == engine) {
+                break;
+            }
+            self.bell.wait_past(seen, WAKE);
+        }
+        self.counters.switch_drain_seconds += t.elapsed().as_secs_f64();
+        if let Err(err) = self.engines[engine].handle.park().wait() {
+            tracing::error!(model = %self.engines[engine].name, error = %err, "cannot release the drained model");
+        }
     }
 
     /// Shadow evaluation: moves memory to engine `to`. Every other local engine keeps what

@@ -204,6 +204,11 @@ pub struct Counters {
     pub extend_seconds: f64,
     pub switches: u64,
     pub switch_seconds: f64,
+    /// Waiting for the old model's running requests before a switch (`drain_first`).
+    pub switch_drain_seconds: f64,
+    /// Most weight bytes the old model still held when the new one had loaded, over the
+    /// switches (under `drain_first` only its final norm, which a parked model keeps).
+    pub switch_overlap_bytes: u64,
     /// Running sequences left to finish on the old model at a switch.
     pub switch_drained: u64,
     /// Running sequences moved to the new model at a switch (0: this orchestrator drains).

@@ -88,6 +88,12 @@ pub struct ShadowConfig {
     /// goes to the current choice unscored. Holds take every round (no background round is
     /// sent). 0: never held (background rounds within `share`).
     pub hold_ms: u64,
+    /// At a switch to another model, let the serving model's running requests finish and
+    /// release its layers before the new one loads, so the two are never resident together
+    /// (peak memory: the larger model, not both). New requests wait meanwhile, so the switch
+    /// costs their time to the first token the rest of the longest running answer. Off: the
+    /// new model loads at once and the old one drains beside it.
+    pub drain_first: bool,
 }
 
 impl Default for ShadowConfig {
@@ -103,6 +109,7 @@ impl Default for ShadowConfig {
             exit_stride: 4,
             change_margin: Some(0.2),
             hold_ms: 0,
+            drain_first: false,
         }
     }
 }
