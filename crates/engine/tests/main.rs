@@ -6,6 +6,7 @@ mod kv_budget_props;
 mod kv_compressed;
 mod kv_paged_model;
 mod max_model_len;
+mod pinned_decode;
 mod real_model;
 mod sequential;
 mod serving;
