@@ -357,6 +357,15 @@ impl GatedMlp {
                 let [gate, up] = &mut outs[..] else {
                     return Err(candle_core::Error::Msg("gate/up projections".into()).into());
                 };
+                // A file's shapes: refused here rather than asserted in the kernel.
+                if gate.len() != up.len() {
+                    return Err(candle_core::Error::Msg(format!(
+                        "gated activation: gate has {} values and up {}",
+                        gate.len(),
+                        up.len()
+                    ))
+                    .into());
+                }
                 {
                     let _t = prof::time(Part::Activation);
                     activation(gate, up);
