@@ -359,12 +359,7 @@ impl GatedMlp {
                 };
                 // A file's shapes: refused here rather than asserted in the kernel.
                 if gate.len() != up.len() {
-                    return Err(candle_core::Error::Msg(format!(
-                        "gated activation: gate has {} values and up {}",
-                        gate.len(),
-                        up.len()
-                    ))
-                    .into());
+                    return Err(shape_mismatch(gate.len(), up.len()));
                 }
                 {
                     let _t = prof::time(Part::Activation);
@@ -385,15 +380,18 @@ impl GatedMlp {
     }
 }
 
+/// The error for gate and up projections of different shapes (or value counts).
+fn shape_mismatch(gate: impl std::fmt::Debug, up: impl std::fmt::Debug) -> ModelError {
+    candle_core::Error::Msg(format!(
+        "gated activation: gate {gate:?} and up {up:?} differ in shape"
+    ))
+    .into()
+}
+
 /// `activation(gate, up)` over two tensors of one shape, into a new tensor.
 fn gated(gate: &Tensor, up: &Tensor, activation: fn(&mut [f32], &[f32])) -> Result<Tensor> {
     if gate.shape() != up.shape() {
-        return Err(candle_core::Error::Msg(format!(
-            "gated activation: gate {:?} and up {:?} differ in shape",
-            gate.shape(),
-            up.shape()
-        ))
-        .into());
+        return Err(shape_mismatch(gate.shape(), up.shape()));
     }
     let out = elementwise([gate, up], gate.elem_count(), |[g, u], out| {
         out.copy_from_slice(g);
