@@ -343,21 +343,10 @@ pub fn matmul_many_at(
     matmul_many_part(level, ws, x, rows, &mut outs, Part::OtherProj)
 }
 
-/// As [`matmul_many`], its time counted as `part` in the profile ([`crate::prof`]).
-pub fn matmul_many_as(
-    ws: &[&PackedWeight],
-    x: &[f32],
-    rows: usize,
-    outs: &mut [&mut [f32]],
-    part: Part,
-) {
-    let mut outs: Vec<&mut [MaybeUninit<f32>]> = outs.iter_mut().map(|o| as_uninit(o)).collect();
-    matmul_many_part(simd_level(), ws, x, rows, &mut outs, part)
-}
-
-/// As [`matmul_many_as`] into outputs that need not be initialized (a vector's spare
-/// capacity): the product writes every element of each, so a caller may take them as
-/// initialized once it returns. Zeroing fresh outputs first was 3 % of a prompt pass.
+/// As [`matmul_many`], its time counted as `part` in the profile ([`crate::prof`]), into
+/// outputs that need not be initialized (a vector's spare capacity): the product writes every
+/// element of each, so a caller may take them as initialized once it returns. Zeroing fresh
+/// outputs first was 3 % of a prompt pass.
 pub fn matmul_many_uninit_as(
     ws: &[&PackedWeight],
     x: &[f32],
