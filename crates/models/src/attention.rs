@@ -827,7 +827,7 @@ impl Spread {
 
     #[inline(always)]
     fn step(&mut self) {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
         let mut left = self.lines_per_step;
         while left > 0 {
             let Some(&(base, len)) = self.ranges.get(self.at.0) else {
@@ -838,7 +838,7 @@ impl Spread {
                 continue;
             }
             // SAFETY: a prefetch never faults, and the address lies inside the range anyway.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(self.at.1)) };
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(self.at.1)) };
             self.at.1 += 64;
             left -= 1;
         }

@@ -23,6 +23,7 @@ pub mod paged;
 pub mod pool;
 pub mod prefix;
 pub mod rerun;
+pub mod slab;
 
 pub use budget::{activation_bytes, parse_bytes, BudgetPlan, MemoryBudget, Usage};
 pub use format::{BlockLayout, KvFormat};

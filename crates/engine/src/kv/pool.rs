@@ -3,13 +3,15 @@
 //! A block holds `block_tokens` positions of one layer: all K rows, then all V rows, each row
 //! `n_kv_heads * head_dim` values, stored as the pool's [`BlockLayout`] says (f32, or i8 with
 //! per-position scales). The pool allocates its blocks when it is created (and in
-//! [`BlockPool::grow`]); `allocate` and `release` only move blocks between the free list and
-//! their owners, so serving never allocates KV memory. `grow` and `shrink` change the pool's
+//! [`BlockPool::grow`]), in one huge-page region per call (see [`super::slab`]); `allocate` and
+//! `release` only move blocks between the free list and their owners, so serving never
+//! allocates KV memory. `grow` and `shrink` change the pool's
 //! memory when residency changes (layers loaded or dropped), never per step.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::format::{BlockLayout, KvFormat};
+use super::slab::Slab;
 
 /// Positions per block.
 pub const BLOCK_TOKENS: usize = 16; // vLLM's default block size
@@ -27,9 +29,9 @@ pub struct BlockId {
 /// A block's memory, in its pool's format.
 pub enum BlockData {
     /// `2 * block_tokens * row` f32: K rows `[0, block_tokens * row)`, then V rows.
-    F32(Box<[f32]>),
+    F32(Slab<f32>),
     /// As `F32`, in half floats.
-    F16(Box<[half::f16]>),
+    F16(Slab<half::f16>),
     Int8(Int8Block),
 }
 
@@ -37,9 +39,9 @@ pub enum BlockData {
 /// [`switchyard_models::kv::Int8Rows`] for what they mean).
 pub struct Int8Block {
     /// `2 * block_tokens * row` i8: K rows, then V rows.
-    pub values: Box<[i8]>,
+    pub values: Slab<i8>,
     /// `2 * block_tokens * n_kv_heads` f32: K scales by position and head, then V scales.
-    pub scales: Box<[f32]>,
+    pub scales: Slab<f32>,
 }
 
 /// One block's memory. Only a pool makes blocks; a block is owned by exactly one place at a
@@ -188,23 +190,27 @@ impl BlockPool {
         let len = self.block_len();
         let scales = 2 * self.layout.block_tokens * self.layout.heads();
         self.free.reserve(n);
-        for _ in 0..n {
-            let data = match self.layout.format {
-                KvFormat::F32 => BlockData::F32(vec![0f32; len].into_boxed_slice()),
-                KvFormat::F16 => BlockData::F16(vec![half::f16::ZERO; len].into_boxed_slice()),
-                KvFormat::Int8 => BlockData::Int8(Int8Block {
-                    values: vec![0i8; len].into_boxed_slice(),
-                    scales: vec![0f32; scales].into_boxed_slice(),
-                }),
-            };
+        let data: Vec<BlockData> = match self.layout.format {
+            KvFormat::F32 => Slab::many(n, len).into_iter().map(BlockData::F32).collect(),
+            KvFormat::F16 => Slab::many(n, len).into_iter().map(BlockData::F16).collect(),
+            KvFormat::Int8 => Slab::many(n, len)
+                .into_iter()
+                .zip(Slab::many(n, scales))
+                .map(|(values, scales)| BlockData::Int8(Int8Block { values, scales }))
+                .collect(),
+        };
+        // The free list hands out its last block first: pushed in reverse, a fresh region's
+        // blocks go out in address order.
+        let first = self.next_index;
+        self.next_index += n as u64;
+        for (i, data) in data.into_iter().enumerate().rev() {
             self.free.push(Block {
                 id: BlockId {
                     pool: self.id,
-                    index: self.next_index,
+                    index: first + i as u64,
                 },
                 data,
             });
-            self.next_index += 1;
         }
         self.total += n;
     }
