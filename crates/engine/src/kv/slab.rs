@@ -145,8 +145,13 @@ impl<T: Zeroable> std::ops::DerefMut for Slab<T> {
 
 impl<T: Zeroable> Drop for Slab<T> {
     fn drop(&mut self) {
-        // Hand the whole pages inside this slab back now (the region may live on in other
-        // blocks). They read as zeros if touched again, which no one does: the slab is gone.
+        // Hand the whole pages inside this slab back now, while the region lives on in other
+        // blocks (the last one unmaps it all). They would read as zeros if touched again,
+        // which no one does: the slab is gone. Two last slabs dropped at once may both do it,
+        // which is harmless.
+        if Arc::strong_count(&self.region) == 1 {
+            return;
+        }
         let start = self.ptr.as_ptr() as usize;
         let end = start + self.len * std::mem::size_of::<T>();
         let (lo, hi) = (start.next_multiple_of(PAGE), end / PAGE * PAGE);
@@ -183,6 +188,8 @@ mod tests {
         assert!(Slab::<i8>::many(0, 16).is_empty());
         assert!(Slab::<f32>::many(2, 0).iter().all(|s| s.is_empty()));
         let odd = Slab::<half::f16>::many(3, 5);
-        assert!(odd.iter().all(|s| s.len() == 5 && s.iter().all(|v| *v == half::f16::ZERO)));
+        assert!(odd
+            .iter()
+            .all(|s| s.len() == 5 && s.iter().all(|v| *v == half::f16::ZERO)));
     }
 }
