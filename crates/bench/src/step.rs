@@ -190,15 +190,29 @@ fn run_cell(
             })
             .collect::<std::result::Result<_, _>>()?;
         let t0 = Instant::now();
+        let mut finished = 0;
         loop {
             for s in &mut streams {
                 while let Some(o) = s.try_next() {
-                    o?;
+                    if o?.finish_reason.is_some() {
+                        finished += 1;
+                    }
                 }
             }
             let full = full_decode_steps(&prof::steps(), batch);
             if full.len() >= opts.steps {
                 return Ok(full[..opts.steps].to_vec());
+            }
+            if finished == batch {
+                // Every request ran to its end without `steps` steps of all of them at once:
+                // the budget's K/V pool could not hold them together.
+                return Err(BenchError::Invalid(format!(
+                    "batch {batch}, context {context}: {} full decode steps before the requests \
+                     ended; {batch} sequences of up to {} positions do not fit the memory budget \
+                     together (raise --memory-budget)",
+                    full.len(),
+                    context + max_tokens
+                )));
             }
             if t0.elapsed() > CELL_TIMEOUT {
                 return Err(BenchError::Invalid(format!(

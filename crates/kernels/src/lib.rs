@@ -62,8 +62,8 @@ pub fn with_values<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
 
 /// `x + y` for f32 tensors of one shape, on the caller's thread. Candle splits element-wise ops
 /// of 64K elements or more over a thread pool of its own, whose workers then compete with
-/// [`pool`]'s for the same cores: a residual add at batch 187 took 35 ms per decode step that
-/// way, 2.6 ms without. Addition is elementwise, so the bits equal candle's. Other dtypes and
+/// [`pool`]'s for the same cores: in one run at batch 187 the residual adds took 35 ms per
+/// decode step that way, 2.8 ms here (how much it costs varies from run to run). Addition is elementwise, so the bits equal candle's. Other dtypes and
 /// shapes go to candle.
 pub fn add(x: &Tensor, y: &Tensor) -> Result<Tensor> {
     if x.dims() != y.dims() || x.dtype() != DType::F32 || y.dtype() != DType::F32 {
