@@ -69,11 +69,11 @@ pub fn add(x: &Tensor, y: &Tensor) -> Result<Tensor> {
     if x.dims() != y.dims() || x.dtype() != DType::F32 || y.dtype() != DType::F32 {
         return x + y;
     }
-    let out = with_values(x, |a| {
-        with_values(y, |b| {
-            a.iter().zip(b).map(|(a, b)| a + b).collect::<Vec<f32>>()
-        })
-    })??;
+    let out = elementwise([x, y], x.elem_count(), |[a, b], out| {
+        for ((o, a), b) in out.iter_mut().zip(a).zip(b) {
+            *o = a + b;
+        }
+    })?;
     Tensor::from_vec(out, x.shape(), x.device())
 }
 
@@ -88,16 +88,45 @@ pub fn add_bias(y: &Tensor, bias: &Tensor) -> Result<Tensor> {
     if !fits {
         return y.broadcast_add(bias);
     }
-    let out = with_values(y, |v| {
-        with_values(bias, |b| {
-            let mut out = Vec::with_capacity(v.len());
-            for row in v.chunks_exact(cols) {
-                out.extend(row.iter().zip(b).map(|(v, b)| v + b));
+    let out = elementwise([y, bias], y.elem_count(), |[v, b], out| {
+        for (o, v) in out.chunks_exact_mut(cols).zip(v.chunks_exact(cols)) {
+            for ((o, v), b) in o.iter_mut().zip(v).zip(b) {
+                *o = v + b;
             }
-            out
-        })
-    })??;
+        }
+    })?;
     Tensor::from_vec(out, y.shape(), y.device())
+}
+
+/// `f(the inputs' values, output of len values)` over the inputs as contiguous f32 CPU
+/// tensors, read in place (no copy for the contiguous f32 tensors the projections give): the
+/// elementwise kernels of [`fastmath`] and the sums below without candle's intermediate
+/// tensors.
+pub fn elementwise<const N: usize>(
+    inputs: [&Tensor; N],
+    len: usize,
+    f: impl FnOnce([&[f32]; N], &mut [f32]),
+) -> Result<Vec<f32>> {
+    use candle_core::{CpuStorage, Storage};
+    let owned = inputs
+        .iter()
+        .map(|t| t.contiguous()?.to_dtype(DType::F32))
+        .collect::<candle_core::Result<Vec<Tensor>>>()?;
+    let guards: Vec<_> = owned.iter().map(Tensor::storage_and_layout).collect();
+    let mut values: [&[f32]; N] = [&[]; N];
+    for (v, (storage, layout)) in values.iter_mut().zip(&guards) {
+        match (&**storage, layout.contiguous_offsets()) {
+            (Storage::Cpu(CpuStorage::F32(all)), Some((a, b))) => *v = &all[a..b],
+            _ => {
+                return Err(candle_core::Error::Msg(
+                    "elementwise kernels run on CPU tensors".into(),
+                ))
+            }
+        }
+    }
+    let mut out = vec![0f32; len];
+    f(values, &mut out);
+    Ok(out)
 }
 
 /// `x * ws[i]^T` for every weight (`widths[i]` outputs each, `rows` rows of `x`), into fresh

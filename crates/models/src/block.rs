@@ -61,9 +61,10 @@ impl RmsNorm {
             ))
             .into());
         }
-        let out = elementwise([x, &self.weight], x.elem_count(), |[xs, w], out| {
-            fastmath::rms_norm(xs, w, self.eps, out)
-        })?;
+        let out =
+            switchyard_kernels::elementwise([x, &self.weight], x.elem_count(), |[xs, w], out| {
+                fastmath::rms_norm(xs, w, self.eps, out)
+            })?;
         Ok(Tensor::from_vec(out, x.shape(), x.device())?.to_dtype(x.dtype())?)
     }
 
@@ -393,42 +394,11 @@ fn gated(gate: &Tensor, up: &Tensor, activation: fn(&mut [f32], &[f32])) -> Resu
     if gate.shape() != up.shape() {
         return Err(shape_mismatch(gate.shape(), up.shape()));
     }
-    let out = elementwise([gate, up], gate.elem_count(), |[g, u], out| {
+    let out = switchyard_kernels::elementwise([gate, up], gate.elem_count(), |[g, u], out| {
         out.copy_from_slice(g);
         activation(out, u)
     })?;
     Ok(Tensor::from_vec(out, gate.shape(), gate.device())?.to_dtype(gate.dtype())?)
-}
-
-/// `f(the inputs' values, output of len values)` over the inputs as contiguous f32 CPU
-/// tensors, read in place (no copy for the contiguous f32 tensors the projections give): the
-/// elementwise kernels of [`fastmath`] without candle's intermediate tensors.
-fn elementwise<const N: usize>(
-    inputs: [&Tensor; N],
-    len: usize,
-    f: impl FnOnce([&[f32]; N], &mut [f32]),
-) -> Result<Vec<f32>> {
-    use candle_core::{CpuStorage, Storage};
-    let owned = inputs
-        .iter()
-        .map(|t| t.contiguous()?.to_dtype(DType::F32))
-        .collect::<candle_core::Result<Vec<Tensor>>>()?;
-    let guards: Vec<_> = owned.iter().map(Tensor::storage_and_layout).collect();
-    let mut values: [&[f32]; N] = [&[]; N];
-    for (v, (storage, layout)) in values.iter_mut().zip(&guards) {
-        match (&**storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(CpuStorage::F32(all)), Some((a, b))) => *v = &all[a..b],
-            _ => {
-                return Err(candle_core::Error::Msg(
-                    "elementwise kernels run on CPU tensors".into(),
-                )
-                .into())
-            }
-        }
-    }
-    let mut out = vec![0f32; len];
-    f(values, &mut out);
-    Ok(out)
 }
 
 /// `x + h`, the residual connection.
