@@ -3,10 +3,11 @@
 //! A `QLinear` owns one weight matrix and an optional bias. Which kernel runs is decided here,
 //! per tensor type: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K are repacked at load into this
 //! crate's panel layout and multiplied by [`quant`]'s integer kernels (AVX-512 VNNI, AVX2 or
-//! scalar, picked at run time); float weights use candle's GEMM; other ggml types stay on
-//! candle's quantized kernels.
+//! scalar, picked at run time); f16 weights use [`f16mm`]'s AVX-512 product where the CPU has
+//! it, other float weights candle's GEMM; other ggml types stay on candle's quantized kernels.
 
 pub mod cpu;
+pub mod f16mm;
 pub mod fastmath;
 pub mod mem;
 pub mod pool;
@@ -33,9 +34,24 @@ fn candle_only() -> bool {
     *CANDLE.get_or_init(|| std::env::var(KERNELS_ENV).is_ok_and(|v| v == "candle"))
 }
 
+/// Whether f16 weights use [`f16mm`] (AVX-512 CPUs) rather than candle's f16 GEMM.
+fn half_kernel() -> bool {
+    cpu::simd_level() == cpu::SimdLevel::Avx512 && !candle_only()
+}
+
+/// Bytes an `[n, k]` f16 weight takes on the kernel [`QLinear::dense`] picks for it.
+pub fn planned_f16_bytes(n: usize, k: usize) -> usize {
+    if half_kernel() {
+        f16mm::HalfWeight::planned_bytes(n, k)
+    } else {
+        2 * n * k
+    }
+}
+
 #[derive(Debug, Clone)]
 enum Kernel {
     Packed(Arc<PackedWeight>),
+    Half(Arc<f16mm::HalfWeight>),
     Candle(QMatMul),
 }
 
@@ -208,6 +224,17 @@ impl QLinear {
         let (out_features, in_features) = weight.shape().dims2()?;
         let stored = weight.dtype();
         let w = weight.dequantize(&weight.device())?.to_dtype(dtype)?;
+        if dtype == DType::F16 && w.device().is_cpu() && half_kernel() {
+            let values = w.flatten_all()?.to_vec1::<half::f16>()?;
+            let h = f16mm::HalfWeight::new(&values, out_features, in_features)?;
+            return Self::from_parts(
+                Kernel::Half(Arc::new(h)),
+                bias,
+                stored,
+                out_features,
+                in_features,
+            );
+        }
         let inner = match dtype {
             DType::F16 => QMatMul::TensorF16(w),
             _ => QMatMul::Tensor(w),
@@ -236,6 +263,7 @@ impl QLinear {
         }
         let weight_bytes = match &kernel {
             Kernel::Packed(p) => p.bytes(),
+            Kernel::Half(h) => h.bytes(),
             Kernel::Candle(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
             Kernel::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
                 t.elem_count() * t.dtype().size_in_bytes()
@@ -297,6 +325,27 @@ impl QLinear {
                 let rows: usize = dims.iter().product();
                 let out = products(&[&**p], &[self.out_features], x, rows, part)?.remove(0);
                 dims.push(self.out_features);
+                let _copy = prof::time(Part::Copy);
+                Tensor::from_vec(out, dims, x.device())?
+            }
+            Kernel::Half(h) => {
+                let mut dims = x.dims().to_vec();
+                let k = dims.pop().unwrap_or(0);
+                if k != self.in_features {
+                    candle_core::bail!(
+                        "input has {k} features, the layer takes {}",
+                        self.in_features
+                    );
+                }
+                let rows: usize = dims.iter().product();
+                let n = self.out_features;
+                let mut out: Vec<f32> = Vec::with_capacity(rows * n);
+                with_values(x, |xs| {
+                    h.matmul_uninit_as(xs, rows, &mut out.spare_capacity_mut()[..rows * n], part)
+                })?;
+                // SAFETY: the capacity is `rows * n` and the product wrote every value.
+                unsafe { out.set_len(rows * n) };
+                dims.push(n);
                 let _copy = prof::time(Part::Copy);
                 Tensor::from_vec(out, dims, x.device())?
             }
@@ -370,7 +419,7 @@ impl QLinear {
             .iter()
             .map(|l| match &l.kernel {
                 Kernel::Packed(p) => Some(&**p),
-                Kernel::Candle(_) => None,
+                Kernel::Half(_) | Kernel::Candle(_) => None,
             })
             .collect();
         let Some(ws) = packed.filter(|ws| ws.len() > 1 && !tap::active()) else {
@@ -400,6 +449,13 @@ impl QLinear {
                 let mut out = vec![0f32; ids.len() * k];
                 for (i, &id) in ids.iter().enumerate() {
                     p.dequantize_row(id as usize, &mut out[i * k..(i + 1) * k]);
+                }
+                Tensor::from_vec(out, (ids.len(), k), &candle_core::Device::Cpu)
+            }
+            Kernel::Half(h) => {
+                let mut out = vec![0f32; ids.len() * k];
+                for (i, &id) in ids.iter().enumerate() {
+                    h.dequantize_row(id as usize, &mut out[i * k..(i + 1) * k]);
                 }
                 Tensor::from_vec(out, (ids.len(), k), &candle_core::Device::Cpu)
             }
@@ -447,7 +503,7 @@ impl QLinear {
     /// Name of the kernel family serving this layer (for reports).
     pub fn kernel_name(&self) -> &'static str {
         match &self.kernel {
-            Kernel::Packed(_) => "switchyard",
+            Kernel::Packed(_) | Kernel::Half(_) => "switchyard",
             Kernel::Candle(_) => "candle",
         }
     }

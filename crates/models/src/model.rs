@@ -256,7 +256,9 @@ impl LayeredModel {
             .map(|m| match self.format {
                 WeightFormat::AsStored => QLinear::planned_bytes(m.dtype, &m.shape),
                 WeightFormat::F32 => m.shape.iter().product::<usize>() * 4,
-                WeightFormat::F16 if m.shape.len() == 2 => m.shape.iter().product::<usize>() * 2,
+                WeightFormat::F16 if m.shape.len() == 2 => {
+                    switchyard_kernels::planned_f16_bytes(m.shape[0], m.shape[1])
+                }
                 WeightFormat::F16 => m.shape.iter().product::<usize>() * 4,
                 WeightFormat::Quantized(t) => match m.shape[..] {
                     [_, k] => QLinear::planned_bytes(t.dtype_for(k, false), &m.shape),

@@ -353,25 +353,7 @@ pub fn run(
         );
         if generates && !gsm_items.is_empty() {
             progress(&format!("{mode}: GSM8K ({} items)", gsm_items.len()));
-            let scored = match &full {
-                Ok(s) => Ok(s),
-                Err(e) => Err(ModesError::Invalid(e.to_string())),
-            };
-            match scored.and_then(|s| {
-                let params = SamplingParams {
-                    max_tokens: 256,
-                    stop: quality::GSM8K_STOP.iter().map(|s| s.to_string()).collect(),
-                    ..SamplingParams::default()
-                };
-                gsm_items
-                    .iter()
-                    .map(|item| {
-                        let prompt = tokenizer.encode(&item.prompt, true, false)?;
-                        let out = s.run(&tokenizer, &prompt, &params)?;
-                        Ok(quality::gsm8k_correct(&out.text, &item.answer))
-                    })
-                    .collect::<Result<Vec<bool>>>()
-            }) {
+            match gsm8k_answers(mode, &full, assets, opts.budget, &gsm_items, &tokenizer) {
                 Ok(v) => gsm.push((mode, v)),
                 Err(e) => notes.push(format!("{mode}: GSM8K not scored: {e}")),
             }
@@ -394,6 +376,59 @@ pub fn run(
         quality,
         notes,
     })
+}
+
+/// Whether `mode` answers each GSM8K item correctly (greedy, up to 256 tokens). Engine
+/// modes answer every item at once on a batched twin of their engine (same tokens as one at
+/// a time); speculative modes answer one after another on `server`.
+fn gsm8k_answers(
+    mode: Mode,
+    server: &std::result::Result<ModeServer, ModesError>,
+    assets: &ModeAssets,
+    budget: u64,
+    items: &[quality::GenItem],
+    tokenizer: &Tokenizer,
+) -> Result<Vec<bool>> {
+    let params = SamplingParams {
+        max_tokens: 256,
+        stop: quality::GSM8K_STOP.iter().map(|s| s.to_string()).collect(),
+        ..SamplingParams::default()
+    };
+    let prompts = items
+        .iter()
+        .map(|item| Ok(tokenizer.encode(&item.prompt, true, false)?))
+        .collect::<Result<Vec<_>>>()?;
+    let texts = match ModeServer::batched(mode, assets, budget)? {
+        Some(h) => {
+            let streams = prompts
+                .into_iter()
+                .map(|prompt| {
+                    h.add_request(EngineRequest {
+                        prompt,
+                        params: params.clone(),
+                    })
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            streams
+                .into_iter()
+                .map(|s| Ok(s.wait()?.text))
+                .collect::<Result<Vec<_>>>()?
+        }
+        None => {
+            let s = server
+                .as_ref()
+                .map_err(|e| ModesError::Invalid(e.to_string()))?;
+            prompts
+                .iter()
+                .map(|p| Ok(s.run(tokenizer, p, &params)?.text))
+                .collect::<Result<Vec<_>>>()?
+        }
+    };
+    Ok(texts
+        .iter()
+        .zip(items)
+        .map(|(t, item)| quality::gsm8k_correct(t, &item.answer))
+        .collect())
 }
 
 fn failed(mode: Mode, w: &Workload, error: String) -> Cell {

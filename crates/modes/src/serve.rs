@@ -174,6 +174,32 @@ impl ModeServer {
         }
     }
 
+    /// `mode`'s engine with continuous batching on, whatever the mode's own setting: for
+    /// scoring many generations at once. Greedy tokens do not depend on the batch (the
+    /// engine's tests assert it bit for bit), so its answers are the mode's own. `None` for
+    /// the speculative modes, which decode one sequence at a time.
+    pub fn batched(mode: Mode, assets: &ModeAssets, budget: u64) -> Result<Option<EngineHandle>> {
+        if mode.speculative() {
+            return Ok(None);
+        }
+        let model = precision::load(
+            Arc::clone(&assets.source),
+            mode.precision(),
+            assets.calibrations(),
+        )?;
+        let mut config = EngineConfig {
+            max_model_len: assets.max_model_len,
+            ..engine_config(mode, budget)
+        };
+        config.scheduler.max_num_seqs = switchyard_engine::scheduler::DEFAULT_MAX_NUM_SEQS;
+        Ok(Some(EngineHandle::start(
+            model,
+            Arc::clone(&assets.tokenizer),
+            config,
+            &assets.name,
+        )?))
+    }
+
     /// Serves one request to completion.
     pub fn run(
         &self,

@@ -1,0 +1,408 @@
+//! f16 weights by f32 activations, for the `f16` precision.
+//!
+//! Candle's f16 product (`QMatMul::TensorF16`) converts the input to f16, multiplies through
+//! the `gemm` crate's f16 path (which widens packed panels to f32 and runs an AVX2 f32
+//! microkernel) and returns f16. On the 2-core AVX-512 machine the f16 model scored about 200
+//! prompt tokens/s that way, a tenth of the int8 kernels, which made f16, the baseline every
+//! mode is compared with, the slowest thing to measure. No crate offers an f16-weight,
+//! f32-accumulate product on AVX-512 (candle's own CPU f16 path is the one above), so it is
+//! written here.
+//!
+//! The arithmetic is that of an f16 layer: the input is rounded to f16, each output is one f32
+//! fused multiply-add chain over the inputs in order, `acc = fma(x[k], w[k], acc)`, and is
+//! rounded to f16 at the end. The scalar reference and the AVX-512 kernel run the same chain,
+//! so they agree bit for bit, and a row's output never depends on the other rows of the call
+//! (batch invariance). Against candle's f16 product the outputs differ by the order of the
+//! f32 sums only.
+//!
+//! Layout: 16-row panels (as [`crate::quant`]): panel `p` holds, for each input `k`, the
+//! weights of its 16 outputs side by side, so one 256-bit load and one conversion give a
+//! vector of 16 output lanes. The last panel is padded with zeros.
+
+use std::mem::MaybeUninit;
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use crate::cpu::{simd_level, SimdLevel};
+use crate::prof::{self, Part};
+
+/// Output rows per panel.
+pub const PANEL: usize = 16;
+/// Panels a task computes together for a tile of rows.
+const PANELS_PER_TILE: usize = 2;
+/// Rows of a tile: 2 panels x 6 rows are 12 accumulators, with 8 loads per 12 multiply-adds.
+const TILE_ROWS: usize = 6;
+/// Multiply-accumulates below which a product runs on one thread.
+const PARALLEL_MIN_MACS: usize = 1 << 17;
+/// Tasks a parallel product is cut into per thread of the pool.
+const TASKS_PER_THREAD: usize = 8;
+
+/// An f16 weight matrix `[n, k]` in panel layout.
+#[derive(Debug, Clone)]
+pub struct HalfWeight {
+    n: usize,
+    k: usize,
+    /// `[panel][k][PANEL]`
+    data: Vec<f16>,
+}
+
+impl HalfWeight {
+    /// `w`: `[n, k]` row-major.
+    pub fn new(w: &[f16], n: usize, k: usize) -> candle_core::Result<Self> {
+        if w.len() != n * k {
+            candle_core::bail!("{} f16 values do not hold {n} x {k}", w.len());
+        }
+        let panels = n.div_ceil(PANEL);
+        let mut data = vec![f16::ZERO; panels * k * PANEL];
+        for (row, values) in w.chunks_exact(k.max(1)).enumerate().take(n) {
+            let (p, r) = (row / PANEL, row % PANEL);
+            let panel = &mut data[p * k * PANEL..(p + 1) * k * PANEL];
+            for (i, &v) in values.iter().enumerate() {
+                panel[i * PANEL + r] = v;
+            }
+        }
+        Ok(Self { n, k, data })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+
+    pub fn cols(&self) -> usize {
+        self.k
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        2 * self.data.len()
+    }
+
+    /// Bytes an `[n, k]` matrix takes in this layout.
+    pub fn planned_bytes(n: usize, k: usize) -> usize {
+        2 * n.div_ceil(PANEL) * PANEL * k
+    }
+
+    /// Row `row` as f32 (exact).
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        let (p, r) = (row / PANEL, row % PANEL);
+        let panel = &self.data[p * self.k * PANEL..(p + 1) * self.k * PANEL];
+        for (i, o) in out.iter_mut().enumerate().take(self.k) {
+            *o = panel[i * PANEL + r].to_f32();
+        }
+    }
+
+    fn panel(&self, p: usize) -> &[f16] {
+        &self.data[p * self.k * PANEL..(p + 1) * self.k * PANEL]
+    }
+
+    /// `out[i][j] = f16(sum_k f16(x[i][k]) * w[j][k])` for `rows` rows of `x` (`[rows, k]`).
+    pub fn matmul(&self, x: &[f32], rows: usize, out: &mut [f32]) {
+        self.matmul_at(simd_level(), x, rows, out)
+    }
+
+    /// As [`matmul`](Self::matmul) with an explicit instruction set (tests, benchmarks).
+    pub fn matmul_at(&self, level: SimdLevel, x: &[f32], rows: usize, out: &mut [f32]) {
+        // SAFETY: `MaybeUninit<f32>` has `f32`'s layout and only initialized values are
+        // stored through it.
+        let out = unsafe { &mut *(out as *mut [f32] as *mut [MaybeUninit<f32>]) };
+        self.matmul_part(level, x, rows, out, Part::OtherProj)
+    }
+
+    /// The product into an output that need not be initialized: every element is written.
+    pub fn matmul_uninit_as(
+        &self,
+        x: &[f32],
+        rows: usize,
+        out: &mut [MaybeUninit<f32>],
+        part: Part,
+    ) {
+        self.matmul_part(simd_level(), x, rows, out, part)
+    }
+
+    fn matmul_part(
+        &self,
+        level: SimdLevel,
+        x: &[f32],
+        rows: usize,
+        out: &mut [MaybeUninit<f32>],
+        part: Part,
+    ) {
+        let (n, k) = (self.n, self.k);
+        assert_eq!(x.len(), rows * k, "activation shape");
+        assert_eq!(out.len(), rows * n, "output shape");
+        let _span = tracing::trace_span!("hmatmul", n, k, rows).entered();
+        let rounded = {
+            let _t = prof::time(Part::ActQuant);
+            let mut h = vec![f16::ZERO; x.len()];
+            h.convert_from_f32_slice(x);
+            let mut r = vec![0f32; x.len()];
+            h.convert_to_f32_slice(&mut r);
+            r
+        };
+        let _t = prof::time(part);
+        let out = OutPtr(out.as_mut_ptr() as *mut f32);
+        let groups = n.div_ceil(PANEL * PANELS_PER_TILE);
+        let run = |g: usize| {
+            let p0 = g * PANELS_PER_TILE;
+            let p1 = (p0 + PANELS_PER_TILE).min(n.div_ceil(PANEL));
+            let mut i0 = 0;
+            while i0 < rows {
+                let i1 = (i0 + TILE_ROWS).min(rows);
+                for p in p0..p1 {
+                    let mut tile = [[0f32; PANEL]; TILE_ROWS];
+                    self.tile(level, p, &rounded, i0..i1, &mut tile);
+                    let cols = PANEL.min(n - p * PANEL);
+                    for (t, i) in (i0..i1).enumerate() {
+                        // SAFETY: `out` holds rows * n values; panel p writes columns
+                        // p*PANEL .. p*PANEL+cols of row i, and no two tasks share a panel.
+                        unsafe { out.write(i * n + p * PANEL, &tile[t][..cols]) };
+                    }
+                }
+                i0 = i1;
+            }
+        };
+        if rows * n * k < PARALLEL_MIN_MACS {
+            (0..groups).for_each(run);
+        } else {
+            let per = groups
+                .div_ceil(crate::pool::global().threads() * TASKS_PER_THREAD)
+                .max(1);
+            crate::pool::run(groups.div_ceil(per), &|t| {
+                (t * per..((t + 1) * per).min(groups)).for_each(run)
+            });
+        }
+    }
+
+    /// Panel `p` by rows `rows` of `x` (already rounded to f16) into `tile`.
+    fn tile(
+        &self,
+        level: SimdLevel,
+        p: usize,
+        x: &[f32],
+        rows: std::ops::Range<usize>,
+        tile: &mut [[f32; PANEL]; TILE_ROWS],
+    ) {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: simd_level() returns Avx512 only with avx512f.
+            SimdLevel::Avx512 => unsafe { avx512::tile(self.panel(p), self.k, x, rows, tile) },
+            _ => scalar_tile(self.panel(p), self.k, x, rows, tile),
+        }
+    }
+}
+
+/// The reference: one fused multiply-add chain per output, inputs in order.
+fn scalar_tile(
+    panel: &[f16],
+    k: usize,
+    x: &[f32],
+    rows: std::ops::Range<usize>,
+    tile: &mut [[f32; PANEL]; TILE_ROWS],
+) {
+    for (t, i) in rows.enumerate() {
+        let xs = &x[i * k..(i + 1) * k];
+        let mut acc = [0f32; PANEL];
+        for (kk, &xv) in xs.iter().enumerate() {
+            let w = &panel[kk * PANEL..(kk + 1) * PANEL];
+            for (a, wv) in acc.iter_mut().zip(w) {
+                *a = xv.mul_add(wv.to_f32(), *a);
+            }
+        }
+        for (o, a) in tile[t].iter_mut().zip(acc) {
+            *o = f16::from_f32(a).to_f32();
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    use super::{PANEL, TILE_ROWS};
+
+    /// [`super::scalar_tile`] with 16 output lanes per vector: the same chain per output.
+    ///
+    /// # Safety
+    /// The CPU must support avx512f.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn tile(
+        panel: &[f16],
+        k: usize,
+        x: &[f32],
+        rows: std::ops::Range<usize>,
+        tile: &mut [[f32; PANEL]; TILE_ROWS],
+    ) {
+        assert!(panel.len() >= k * PANEL && x.len() >= rows.end * k);
+        let n = rows.len();
+        let base = rows.start;
+        match n {
+            6 => run::<6>(panel, k, x, base, tile),
+            5 => run::<5>(panel, k, x, base, tile),
+            4 => run::<4>(panel, k, x, base, tile),
+            3 => run::<3>(panel, k, x, base, tile),
+            2 => run::<2>(panel, k, x, base, tile),
+            1 => run::<1>(panel, k, x, base, tile),
+            _ => {}
+        }
+    }
+
+    /// `R` rows from row `base`.
+    ///
+    /// # Safety
+    /// avx512f; `panel` holds `k * PANEL` values and `x` rows `base .. base + R` of `k`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn run<const R: usize>(
+        panel: &[f16],
+        k: usize,
+        x: &[f32],
+        base: usize,
+        tile: &mut [[f32; PANEL]; TILE_ROWS],
+    ) {
+        let mut acc = [_mm512_setzero_ps(); R];
+        let wp = panel.as_ptr() as *const __m256i;
+        let xp = x.as_ptr().add(base * k);
+        for kk in 0..k {
+            let w = _mm512_cvtph_ps(_mm256_loadu_si256(wp.add(kk)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(_mm512_set1_ps(*xp.add(r * k + kk)), w, *a);
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            // Round to f16 and back (to nearest, ties to even, as `f16::from_f32`).
+            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(*a);
+            _mm512_storeu_ps(tile[r].as_mut_ptr(), _mm512_cvtph_ps(h));
+        }
+    }
+}
+
+struct OutPtr(*mut f32);
+// SAFETY: only used to write disjoint regions from parallel tasks (see `matmul_part`).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// # Safety
+    /// `at + vals.len()` must lie inside the buffer and no other thread may touch that range.
+    unsafe fn write(&self, at: usize, vals: &[f32]) {
+        std::ptr::copy_nonoverlapping(vals.as_ptr(), self.0.add(at), vals.len());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Module, Tensor};
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        // A fixed pseudo-random sequence in [-1, 1) (xorshift).
+        let mut s = seed.wrapping_mul(2_654_435_761).max(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s as f32 / u32::MAX as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn weight(n: usize, k: usize) -> (Vec<f16>, HalfWeight) {
+        let w: Vec<f16> = values(n * k, 7).into_iter().map(f16::from_f32).collect();
+        let hw = HalfWeight::new(&w, n, k).expect("pack");
+        (w, hw)
+    }
+
+    #[test]
+    fn avx512_equals_the_scalar_reference_bit_for_bit() {
+        if simd_level() != SimdLevel::Avx512 {
+            return;
+        }
+        // n not a multiple of the panel, k odd, rows over and under a tile.
+        for (n, k, rows) in [(37, 45, 1), (37, 45, 7), (64, 576, 13), (16, 8, 6)] {
+            let (_, w) = weight(n, k);
+            let x = values(rows * k, 3);
+            let mut a = vec![0f32; rows * n];
+            let mut b = vec![0f32; rows * n];
+            w.matmul_at(SimdLevel::Scalar, &x, rows, &mut a);
+            w.matmul_at(SimdLevel::Avx512, &x, rows, &mut b);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "n {n} k {k} rows {rows}");
+        }
+    }
+
+    #[test]
+    fn a_rows_output_does_not_depend_on_the_other_rows() {
+        let (n, k, rows) = (50, 96, 11);
+        let (_, w) = weight(n, k);
+        let x = values(rows * k, 5);
+        let mut all = vec![0f32; rows * n];
+        w.matmul(&x, rows, &mut all);
+        for i in 0..rows {
+            let mut one = vec![0f32; n];
+            w.matmul(&x[i * k..(i + 1) * k], 1, &mut one);
+            assert_eq!(one, all[i * n..(i + 1) * n], "row {i}");
+        }
+    }
+
+    #[test]
+    fn outputs_match_candles_f16_product_and_an_f64_sum() {
+        let (n, k, rows) = (40, 576, 9);
+        let (w16, w) = weight(n, k);
+        let x = values(rows * k, 11);
+        let mut got = vec![0f32; rows * n];
+        w.matmul(&x, rows, &mut got);
+        // Exact f64 sums of the f16-rounded inputs, then rounded to f16: the result may differ
+        // from ours by the f32 chain's rounding only, far below one f16 step of these sums.
+        let xr: Vec<f64> = x.iter().map(|&v| f16::from_f32(v).to_f64()).collect();
+        for i in 0..rows {
+            for j in 0..n {
+                let exact: f64 = (0..k)
+                    .map(|kk| xr[i * k + kk] * w16[j * k + kk].to_f64())
+                    .sum();
+                let g = got[i * n + j] as f64;
+                assert!(
+                    (g - exact).abs() <= 2e-3 * exact.abs().max(1.0),
+                    "({i}, {j}): {g} vs {exact}"
+                );
+            }
+        }
+        // Candle's f16 product of the same operands.
+        let dev = Device::Cpu;
+        let wt = Tensor::from_vec(w16, (n, k), &dev).expect("w");
+        let xt = Tensor::from_vec(x.clone(), (rows, k), &dev)
+            .and_then(|t| t.to_dtype(candle_core::DType::F16))
+            .expect("x");
+        let want: Vec<f32> = candle_core::quantized::QMatMul::TensorF16(wt)
+            .forward(&xt)
+            .and_then(|y| y.to_dtype(candle_core::DType::F32))
+            .and_then(|y| y.flatten_all())
+            .and_then(|y| y.to_vec1())
+            .expect("candle");
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+            .fold(0f32, f32::max);
+        assert!(worst <= 2e-3, "largest difference from candle {worst}");
+    }
+
+    #[test]
+    fn rows_dequantize_exactly_and_shapes_are_checked() {
+        let (n, k) = (19, 33);
+        let (w16, w) = weight(n, k);
+        let mut row = vec![0f32; k];
+        w.dequantize_row(17, &mut row);
+        let want: Vec<f32> = w16[17 * k..18 * k].iter().map(|v| v.to_f32()).collect();
+        assert_eq!(row, want);
+        assert_eq!(w.bytes(), HalfWeight::planned_bytes(n, k));
+        assert_eq!(w.bytes(), 2 * 32 * 33);
+        let err = HalfWeight::new(&w16[1..], n, k).expect_err("short");
+        // (candle's errors carry a backtrace after the message when RUST_BACKTRACE is set)
+        let want = format!("{} f16 values do not hold 19 x 33", n * k - 1);
+        assert!(err.to_string().starts_with(&want), "{err}");
+    }
+}
