@@ -314,30 +314,14 @@ impl QLinear {
         self.observe(x);
         let y = match &self.kernel {
             Kernel::Packed(p) => {
-                let mut dims = x.dims().to_vec();
-                let k = dims.pop().unwrap_or(0);
-                if k != self.in_features {
-                    candle_core::bail!(
-                        "input has {k} features, the layer takes {}",
-                        self.in_features
-                    );
-                }
-                let rows: usize = dims.iter().product();
+                let (mut dims, rows) = self.leading_dims(x)?;
                 let out = products(&[&**p], &[self.out_features], x, rows, part)?.remove(0);
                 dims.push(self.out_features);
                 let _copy = prof::time(Part::Copy);
                 Tensor::from_vec(out, dims, x.device())?
             }
             Kernel::Half(h) => {
-                let mut dims = x.dims().to_vec();
-                let k = dims.pop().unwrap_or(0);
-                if k != self.in_features {
-                    candle_core::bail!(
-                        "input has {k} features, the layer takes {}",
-                        self.in_features
-                    );
-                }
-                let rows: usize = dims.iter().product();
+                let (mut dims, rows) = self.leading_dims(x)?;
                 let n = self.out_features;
                 let mut out: Vec<f32> = Vec::with_capacity(rows * n);
                 with_values(x, |xs| {
@@ -366,6 +350,21 @@ impl QLinear {
             }
             None => Ok(y),
         }
+    }
+
+    /// `x`'s leading dimensions and their product (the rows), after checking that its last
+    /// dimension is the layer's input width.
+    fn leading_dims(&self, x: &Tensor) -> Result<(Vec<usize>, usize)> {
+        let mut dims = x.dims().to_vec();
+        let k = dims.pop().unwrap_or(0);
+        if k != self.in_features {
+            candle_core::bail!(
+                "input has {k} features, the layer takes {}",
+                self.in_features
+            );
+        }
+        let rows = dims.iter().product();
+        Ok((dims, rows))
     }
 
     /// The profile part this layer's products count in.
