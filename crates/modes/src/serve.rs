@@ -174,10 +174,10 @@ impl ModeServer {
         }
     }
 
-    /// `mode`'s engine with continuous batching on, whatever the mode's own setting: for
-    /// scoring many generations at once. Greedy tokens do not depend on the batch (the
-    /// engine's tests assert it bit for bit), so its answers are the mode's own. `None` for
-    /// the speculative modes, which decode one sequence at a time.
+    /// `mode`'s engine with continuous batching and chunked prefill on, whatever the mode's own
+    /// settings: for scoring many generations at once. Greedy tokens do not depend on the
+    /// batch (the engine's tests assert it bit for bit), so its answers are the mode's own.
+    /// `None` for the speculative modes, which decode one sequence at a time.
     pub fn batched(mode: Mode, assets: &ModeAssets, budget: u64) -> Result<Option<EngineHandle>> {
         if mode.speculative() {
             return Ok(None);
@@ -192,6 +192,10 @@ impl ModeServer {
             ..engine_config(mode, budget)
         };
         config.scheduler.max_num_seqs = switchyard_engine::scheduler::DEFAULT_MAX_NUM_SEQS;
+        // Without chunking, a prompt longer than a step's token budget (GSM8K's 8-shot prompts)
+        // runs only in a step of its own, so such requests would still go one at a time.
+        // Chunking does not change results either (engine tests, bit for bit).
+        config.scheduler.chunked_prefill = true;
         Ok(Some(EngineHandle::start(
             model,
             Arc::clone(&assets.tokenizer),

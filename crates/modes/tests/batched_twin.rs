@@ -1,0 +1,67 @@
+//! `ModeServer::batched`, which `bench modes` answers GSM8K on: on SmolLM2, its answers to
+//! GSM8K questions sent together equal, token for token, the mode's own engine answering them
+//! one at a time (f16, on the f16 kernel, and int8).
+
+use std::sync::Arc;
+
+use switchyard_engine::EngineRequest;
+use switchyard_eval::quality::{self, Pick};
+use switchyard_modes::serve::{ModeAssets, ModeServer, DEFAULT_SPEC_K};
+use switchyard_request::{Mode, SamplingParams};
+use switchyard_tokenizer::Tokenizer;
+
+#[test]
+fn gsm8k_answers_sent_together_equal_the_modes_own_one_at_a_time() -> anyhow::Result<()> {
+    let name = "smollm2-135m-instruct";
+    let source = switchyard_weights::open(&switchyard_zoo::ensure(name)?)?;
+    let tokenizer = Arc::new(Tokenizer::from_source(&*source)?);
+    let assets = ModeAssets {
+        name: name.into(),
+        source,
+        tokenizer: Arc::clone(&tokenizer),
+        draft: None,
+        heads: None,
+        awq: None,
+        gptq: None,
+        spec_k: DEFAULT_SPEC_K,
+        max_model_len: Some(2048),
+    };
+    let params = SamplingParams {
+        max_tokens: 24,
+        ..SamplingParams::default()
+    };
+    let prompts = quality::load_gsm8k(3, Pick::First)?
+        .iter()
+        .map(|item| tokenizer.encode(&item.prompt, true, false))
+        .collect::<Result<Vec<_>, _>>()?;
+    let budget = 2 << 30;
+    for mode in [Mode::F16, Mode::Int8] {
+        let alone = ModeServer::load(mode, &assets, budget)?;
+        let want = prompts
+            .iter()
+            .map(|p| Ok(alone.run(&tokenizer, p, &params)?.tokens))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        drop(alone);
+        let twin = ModeServer::batched(mode, &assets, budget)?.expect("an engine mode");
+        let streams = prompts
+            .iter()
+            .map(|p| {
+                twin.add_request(EngineRequest {
+                    prompt: p.clone(),
+                    params: params.clone(),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let got = streams
+            .into_iter()
+            .map(|s| Ok(s.wait()?.token_ids))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        assert_eq!(got, want, "{mode}");
+        assert!(want.iter().all(|t| t.len() == 24), "{mode}: {want:?}");
+        let c = twin.stats().wait()?.counters;
+        assert!(c.largest_batch >= 2, "{mode}");
+    }
+    // Speculative modes have no batched twin.
+    assert!(ModeServer::batched(Mode::SelfSpeculative, &assets, budget)?.is_none());
+    Ok(())
+}
