@@ -27,9 +27,10 @@ use half::slice::HalfFloatSliceExt;
 
 use crate::cpu::{simd_level, SimdLevel};
 use crate::prof::{self, Part};
+use crate::quant::OutPtr;
 
-/// Output rows per panel.
-pub const PANEL: usize = 16;
+/// Output rows per panel (the quantized kernels' panel).
+pub use crate::quant::PANEL;
 /// Panels a task computes together for a tile of rows.
 const PANELS_PER_TILE: usize = 2;
 /// Rows of a tile: 2 panels x 6 rows are 12 accumulators, with 8 loads per 12 multiply-adds.
@@ -277,19 +278,6 @@ mod avx512 {
             let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(*a);
             _mm512_storeu_ps(tile[r].as_mut_ptr(), _mm512_cvtph_ps(h));
         }
-    }
-}
-
-struct OutPtr(*mut f32);
-// SAFETY: only used to write disjoint regions from parallel tasks (see `matmul_part`).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// # Safety
-    /// `at + vals.len()` must lie inside the buffer and no other thread may touch that range.
-    unsafe fn write(&self, at: usize, vals: &[f32]) {
-        std::ptr::copy_nonoverlapping(vals.as_ptr(), self.0.add(at), vals.len());
     }
 }
 

@@ -670,7 +670,7 @@ impl QActs {
 }
 
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: only used to write disjoint regions from parallel tasks (see `matmul_at`).
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
@@ -678,7 +678,7 @@ unsafe impl Sync for OutPtr {}
 impl OutPtr {
     /// # Safety
     /// `at + vals.len()` must lie inside the buffer and no other thread may touch that range.
-    unsafe fn write(&self, at: usize, vals: &[f32]) {
+    pub(crate) unsafe fn write(&self, at: usize, vals: &[f32]) {
         // A whole panel's row is one fixed-size copy (two vector stores); a copy of a run-time
         // length calls `memmove`, which was 4 % of a prompt pass.
         if let Ok(full) = <&[f32; PANEL]>::try_from(vals) {
