@@ -21,8 +21,8 @@ use serde::Serialize;
 use switchyard_request::{Mode, SamplingParams};
 use switchyard_router::{
     fit, CellMeasure, Constraints, Decision, FitReport, FixedRouter, Gate, LearnedKind,
-    LearnedRouter, ModeMatrix, ModeSet, Oracle, QualityMeasure, RequestFeatures, Router,
-    RuleConfig, RulesRouter,
+    LearnedRouter, ModeMatrix, ModeSet, Oracle, PrefixIndex, QualityMeasure, RequestFeatures,
+    Router, RuleConfig, RulesRouter,
 };
 
 use switchyard_eval::quality::{self, McTask, Pick};
@@ -232,18 +232,13 @@ fn mixed(assets: &ModeAssets, opts: &ModesBenchOptions) -> Result<Vec<MixedReque
     let ws = workloads(&assets.tokenizer, opts)?;
     let mut out = Vec::new();
     for w in &ws {
-        for (i, p) in w.prompts.iter().enumerate() {
-            let shared = if w.name == "shared-prefix" && i > 0 {
-                512
-            } else {
-                0
-            };
+        for p in &w.prompts {
             out.push(MixedRequest {
                 features: RequestFeatures {
                     prompt_tokens: p.len(),
                     max_output_tokens: w.output_tokens,
                     expected_output_tokens: None,
-                    shared_prefix_tokens: shared,
+                    shared_prefix_tokens: 0,
                     memory_pressure: w.claimed_bytes as f64 / opts.budget.max(1) as f64,
                     queue_depth: if w.concurrent { w.requests } else { 0 },
                     workload: Some(w.name.clone())
@@ -264,6 +259,12 @@ fn mixed(assets: &ModeAssets, opts: &ModesBenchOptions) -> Result<Vec<MixedReque
     for item in quality::load_mc(McTask::Mmlu, n, Pick::Seeded(7))? {
         let prompt = assets.tokenizer.encode(&item.context, true, false)?;
         out.push(labelled(prompt, 1, "mmlu"));
+    }
+    // Shared prefixes as the server sees them: the block-aligned prefix an earlier request's
+    // prompt already had (the shared-prefix workload's system prompt, GSM8K's 8 shots).
+    let mut seen = PrefixIndex::default();
+    for r in &mut out {
+        r.features.shared_prefix_tokens = seen.observe_prompt(&r.prompt);
     }
     Ok(out)
 }

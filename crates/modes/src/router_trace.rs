@@ -26,7 +26,7 @@ use switchyard_engine::{EngineHandle, EngineRequest};
 use switchyard_eval::quality::{self, McTask, Pick};
 use switchyard_eval::stats::{median, percentile};
 use switchyard_request::{Mode, SamplingParams};
-use switchyard_router::{ModeSet, Oracle, RequestFeatures, Router};
+use switchyard_router::{ModeSet, Oracle, PrefixIndex, RequestFeatures, Router};
 
 use crate::bench::sharegpt_tokens;
 use crate::serve::ModeAssets;
@@ -123,8 +123,23 @@ pub struct TraceRequest {
     pub prompt: Vec<u32>,
     pub output: usize,
     label: Option<&'static str>,
-    /// Prompt tokens shared with an earlier request of the trace.
+    /// Block-aligned prompt tokens an earlier request of the trace had ([`PrefixIndex`]).
     shared_prefix: usize,
+}
+
+impl TraceRequest {
+    /// What the router sees of this request on arrival, with `queue_depth` requests in flight.
+    pub fn features(&self, queue_depth: usize) -> RequestFeatures {
+        RequestFeatures {
+            prompt_tokens: self.prompt.len(),
+            max_output_tokens: self.output,
+            expected_output_tokens: None,
+            shared_prefix_tokens: self.shared_prefix,
+            memory_pressure: 0.0,
+            queue_depth,
+            workload: self.label.map(str::to_string),
+        }
+    }
 }
 
 /// Builds the trace: classes drawn by the mix, exponential gaps at `rate`, prompts from
@@ -173,37 +188,31 @@ pub fn build(assets: &ModeAssets, opts: &TraceOptions) -> Result<Vec<TraceReques
     .into_iter();
     let gaps = Exp::new(opts.rate).map_err(|e| ModesError::Invalid(e.to_string()))?;
     let mut clock = 0.0;
-    let mut seen_prefix = false;
+    let mut seen = PrefixIndex::default();
     let mut out = Vec::with_capacity(classes.len());
     for class in classes {
-        let (prompt, output, label, shared) = match class {
-            TraceClass::Chat => (take(128), 32, None, 0),
-            TraceClass::LongGeneration => (take(128), 128, None, 0),
+        let (prompt, output, label) = match class {
+            TraceClass::Chat => (take(128), 32, None),
+            TraceClass::LongGeneration => (take(128), 128, None),
             TraceClass::SharedPrefix => {
-                let p: Vec<u32> = prefix.iter().copied().chain(take(64)).collect();
-                let shared = if seen_prefix { prefix.len() } else { 0 };
-                seen_prefix = true;
-                (p, 32, None, shared)
+                (prefix.iter().copied().chain(take(64)).collect(), 32, None)
             }
-            TraceClass::LongPrompt => (take(1024), 32, None, 0),
+            TraceClass::LongPrompt => (take(1024), 32, None),
             TraceClass::Math => {
                 let item = gsm
                     .next()
                     .ok_or_else(|| ModesError::Invalid("GSM8K ran out of items".into()))?;
-                (
-                    tok.encode(&item.prompt, true, false)?,
-                    128,
-                    Some("gsm8k"),
-                    0,
-                )
+                (tok.encode(&item.prompt, true, false)?, 128, Some("gsm8k"))
             }
             TraceClass::MultipleChoice => {
                 let item = mmlu
                     .next()
                     .ok_or_else(|| ModesError::Invalid("MMLU ran out of items".into()))?;
-                (tok.encode(&item.context, true, false)?, 1, Some("mmlu"), 0)
+                (tok.encode(&item.context, true, false)?, 1, Some("mmlu"))
             }
         };
+        // As the server sees it: the block-aligned prefix an earlier arrival's prompt had.
+        let shared = seen.observe_prompt(&prompt);
         out.push(TraceRequest {
             at_s: clock,
             class,
@@ -268,15 +277,7 @@ pub fn replay(
         }
         let depth = in_flight.load(Ordering::SeqCst);
         max_in_flight = max_in_flight.max(depth);
-        let features = RequestFeatures {
-            prompt_tokens: r.prompt.len(),
-            max_output_tokens: r.output,
-            expected_output_tokens: None,
-            shared_prefix_tokens: r.shared_prefix,
-            memory_pressure: 0.0,
-            queue_depth: depth,
-            workload: r.label.map(str::to_string),
-        };
+        let features = r.features(depth);
         let d = router.route_among(&features, available);
         *chosen.entry(d.mode.to_string()).or_default() += 1;
         if !oracle.admits_request(&features, d.mode) || d.fallback {

@@ -2,30 +2,15 @@
 //! GSM8K questions sent together equal, token for token, the mode's own engine answering them
 //! one at a time (f16, on the f16 kernel, and int8).
 
-use std::sync::Arc;
-
 use switchyard_engine::EngineRequest;
 use switchyard_eval::quality::{self, Pick};
-use switchyard_modes::serve::{ModeAssets, ModeServer, DEFAULT_SPEC_K};
+use switchyard_modes::serve::ModeServer;
 use switchyard_request::{Mode, SamplingParams};
-use switchyard_tokenizer::Tokenizer;
 
 #[test]
 fn gsm8k_answers_sent_together_equal_the_modes_own_one_at_a_time() -> anyhow::Result<()> {
-    let name = "smollm2-135m-instruct";
-    let source = switchyard_weights::open(&switchyard_zoo::ensure(name)?)?;
-    let tokenizer = Arc::new(Tokenizer::from_source(&*source)?);
-    let assets = ModeAssets {
-        name: name.into(),
-        source,
-        tokenizer: Arc::clone(&tokenizer),
-        draft: None,
-        heads: None,
-        awq: None,
-        gptq: None,
-        spec_k: DEFAULT_SPEC_K,
-        max_model_len: Some(2048),
-    };
+    let assets = crate::common::smollm2(Some(2048))?;
+    let tokenizer = &assets.tokenizer;
     let params = SamplingParams {
         max_tokens: 24,
         ..SamplingParams::default()
@@ -39,7 +24,7 @@ fn gsm8k_answers_sent_together_equal_the_modes_own_one_at_a_time() -> anyhow::Re
         let alone = ModeServer::load(mode, &assets, budget)?;
         let want = prompts
             .iter()
-            .map(|p| Ok(alone.run(&tokenizer, p, &params)?.tokens))
+            .map(|p| Ok(alone.run(tokenizer, p, &params)?.tokens))
             .collect::<anyhow::Result<Vec<_>>>()?;
         drop(alone);
         let twin = ModeServer::batched(mode, &assets, budget)?.expect("an engine mode");

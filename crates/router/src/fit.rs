@@ -18,6 +18,11 @@
 //! | interactive | class interactive | SS |
 //! | default | always | f16 |
 //!
+//! Math and multiple-choice requests are judged on their own tasks wherever they arrive: before
+//! each of the first three rules goes a `math/<situation>` or `multiple-choice/<situation>`
+//! rule (workload and situation both hold) where their gate picks another mode in that
+//! situation's cells.
+//!
 //! A class whose cells the matrix lacks gets no rule (its requests fall through to the next
 //! rule that holds, at worst the f16 default); the report says which and why. Over several
 //! cells a mode is scored by the sum of its mean latencies, so each cell weighs by its time.
@@ -113,8 +118,95 @@ const CLASSES: [FitClass; 8] = [
     },
 ];
 
+/// The classes whose requests are judged on tasks of their own, wherever they arrive.
+const QUALITY_CLASSES: [&str; 2] = [gate::CLASS_MATH, gate::CLASS_MULTIPLE_CHOICE];
+
+/// The situational classes: the classifier (or memory pressure) puts a request there whatever
+/// its workload, so a math or multiple-choice request in one of them is judged on its own
+/// tasks in that situation's cells.
+fn situational(id: &str) -> bool {
+    matches!(id, "batch" | "shared-prefix" | gate::CLASS_MEMORY_PRESSURE)
+}
+
+/// The fastest mode for one class over some cells, and the faster ones refused.
+struct Pick {
+    mode: Mode,
+    latency_s: f64,
+    refused: Vec<(Mode, Vec<String>)>,
+    /// Every mode admitted, with its summed latency.
+    admitted: Vec<(Mode, f64)>,
+}
+
+/// The fastest mode measured in every one of `cells` that keeps the constraints against f16
+/// there and passes `gate` for `class`. Over several cells a mode is scored by the sum of its
+/// mean latencies.
+fn pick(
+    matrix: &ModeMatrix,
+    constraints: &Constraints,
+    gate: &Gate,
+    cells: &[&String],
+    class: &str,
+) -> Result<Pick> {
+    let total = |mode: Mode| -> Option<f64> {
+        cells
+            .iter()
+            .map(|c| matrix.cells[*c].get(&mode).map(|m| m.latency_s))
+            .sum()
+    };
+    let mut candidates: Vec<(Mode, f64)> = Mode::ALL
+        .iter()
+        .filter_map(|&m| total(m).map(|t| (m, t)))
+        .collect();
+    candidates.sort_by(|a, b| a.1.total_cmp(&b.1));
+    let reasons = |mode: Mode| -> Vec<String> {
+        let mut why: Vec<String> = gate
+            .failures(&matrix.quality, mode, class)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        for c in cells {
+            let cell = &matrix.cells[*c];
+            if let (Some(m), Some(base)) = (cell.get(&mode), cell.get(&Mode::BASELINE)) {
+                if !constraints.admits(m, base) {
+                    why.push(format!("{c}: outside the constraints against f16"));
+                }
+            }
+        }
+        why
+    };
+    let mut refused = Vec::new();
+    let mut chosen = None;
+    let mut admitted = Vec::new();
+    for &(mode, latency) in &candidates {
+        let why = reasons(mode);
+        if why.is_empty() {
+            chosen.get_or_insert((mode, latency));
+            admitted.push((mode, latency));
+        } else if chosen.is_none() {
+            refused.push((mode, why));
+        }
+    }
+    // f16 is measured in every cell and always admitted, so a mode is always chosen.
+    let (mode, latency_s) = chosen.ok_or_else(|| RouterError::InvalidCell {
+        cell: cells[0].clone(),
+        reason: "no mode is admitted, not even f16".into(),
+    })?;
+    Ok(Pick {
+        mode,
+        latency_s,
+        refused,
+        admitted,
+    })
+}
+
 /// Fits a policy to `matrix` (which must hold f16 in every cell) under `constraints` and
 /// `gate`, with `classifier`'s thresholds.
+///
+/// Before each situational rule (batch, shared-prefix, memory-pressure) come rules for the
+/// math and multiple-choice requests in that situation (`math/shared-prefix`, ...), where the
+/// fastest mode that passes their own class's gate in the situation's cells differs from the
+/// situation's choice: a few-shot GSM8K prompt whose shots are cached is a shared-prefix
+/// request, but still judged on GSM8K.
 pub fn fit(
     matrix: &ModeMatrix,
     constraints: &Constraints,
@@ -131,6 +223,28 @@ pub fn fit(
     // Per mode: summed latency over the cells of the classes it is admitted for, and how many
     // those are (a mode admitted for every fitted class can serve them all alone).
     let mut per_mode: std::collections::BTreeMap<Mode, (f64, usize)> = Default::default();
+    let mut add =
+        |rules: &mut Vec<Rule>, id: String, when: Condition, cells: &[&String], p: Pick| {
+            for &(mode, latency) in &p.admitted {
+                let e = per_mode.entry(mode).or_insert((0.0, 0));
+                e.0 += latency;
+                e.1 += 1;
+            }
+            let f16_latency_s = cells
+                .iter()
+                .map(|c| matrix.cells[*c].get(&Mode::BASELINE).map(|m| m.latency_s))
+                .sum::<Option<f64>>()
+                .unwrap_or(f64::NAN);
+            rules.push(Rule::new(&id, when, p.mode));
+            choices.push(FitChoice {
+                class: id,
+                cells: cells.iter().map(|c| c.to_string()).collect(),
+                mode: p.mode,
+                latency_s: p.latency_s,
+                f16_latency_s,
+                refused: p.refused,
+            });
+        };
     for class in &CLASSES {
         let cells: Vec<&String> = class
             .cells
@@ -147,66 +261,28 @@ pub fn fit(
             ));
             continue;
         }
-        // Sum of mean latencies over the cells, for modes measured in every one of them.
-        let total = |mode: Mode| -> Option<f64> {
-            cells
-                .iter()
-                .map(|c| matrix.cells[*c].get(&mode).map(|m| m.latency_s))
-                .sum()
-        };
-        let mut candidates: Vec<(Mode, f64)> = Mode::ALL
-            .iter()
-            .filter_map(|&m| total(m).map(|t| (m, t)))
-            .collect();
-        candidates.sort_by(|a, b| a.1.total_cmp(&b.1));
-        let mut refused = Vec::new();
-        let mut chosen = None;
-        let reasons = |mode: Mode| -> Vec<String> {
-            let mut why: Vec<String> = gate
-                .failures(&matrix.quality, mode, class.id)
-                .iter()
-                .map(ToString::to_string)
-                .collect();
-            for c in &cells {
-                let cell = &matrix.cells[*c];
-                if let (Some(m), Some(base)) = (cell.get(&mode), cell.get(&Mode::BASELINE)) {
-                    if !constraints.admits(m, base) {
-                        why.push(format!("{c}: outside the constraints against f16"));
-                    }
+        let own = pick(matrix, constraints, gate, &cells, class.id)?;
+        if situational(class.id) {
+            for q in QUALITY_CLASSES {
+                let inner = pick(matrix, constraints, gate, &cells, q)?;
+                if inner.mode != own.mode {
+                    let labels = CLASSES
+                        .iter()
+                        .find(|c| c.id == q)
+                        .map(|c| (c.when)())
+                        .expect("quality classes are in CLASSES");
+                    let when = Condition::All(vec![labels, (class.when)()]);
+                    add(&mut rules, format!("{q}/{}", class.id), when, &cells, inner);
                 }
             }
-            why
-        };
-        let admitted = |mode: Mode| reasons(mode).is_empty();
-        for &(mode, latency) in &candidates {
-            let why = reasons(mode);
-            if why.is_empty() {
-                chosen = Some((mode, latency));
-                break;
-            }
-            refused.push((mode, why));
         }
-        for &(mode, latency) in &candidates {
-            if admitted(mode) {
-                let e = per_mode.entry(mode).or_insert((0.0, 0));
-                e.0 += latency;
-                e.1 += 1;
-            }
-        }
-        // f16 is measured in every cell and always admitted, so a mode is always chosen.
-        let (mode, latency_s) = chosen.ok_or_else(|| RouterError::InvalidCell {
-            cell: cells[0].clone(),
-            reason: "no mode is admitted, not even f16".into(),
-        })?;
-        rules.push(Rule::new(class.id, (class.when)(), mode));
-        choices.push(FitChoice {
-            class: class.id.to_string(),
-            cells: cells.iter().map(|c| c.to_string()).collect(),
-            mode,
-            latency_s,
-            f16_latency_s: total(Mode::BASELINE).unwrap_or(f64::NAN),
-            refused,
-        });
+        add(
+            &mut rules,
+            class.id.to_string(),
+            (class.when)(),
+            &cells,
+            own,
+        );
     }
     rules.push(Rule::new("default", Condition::Always, Mode::BASELINE));
     let policy = Policy::new(classifier, rules)?.with_gate(gate.clone())?;

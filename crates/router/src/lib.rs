@@ -19,6 +19,7 @@
 //!   per class of requests.
 //! * `fit` — [`fit`]: the fastest gate-passing mode per class of a measured matrix, written as
 //!   a [`Policy`] (`switchyard router fit`).
+//! * `prefix` — [`PrefixIndex`]: the shared-prefix feature, from the prompts seen before.
 //! * `learned` — decision tree, random forest and logistic regression routers trained to
 //!   imitate the oracle ([`LearnedRouter`]).
 //! * `decision` — the [`Router`] trait all of the above implement, [`Decision`], [`ModeSet`]
@@ -35,6 +36,7 @@ pub mod gate;
 pub mod learned;
 pub mod oracle;
 pub mod policy;
+pub mod prefix;
 pub mod rules;
 
 pub use decision::{Decision, FixedRouter, ModeSet, Router};
@@ -45,5 +47,6 @@ pub use gate::{Gate, GateFailure, PairedDelta, QualityMeasure};
 pub use learned::{Example, LearnedKind, LearnedParams, LearnedRouter};
 pub use oracle::{CellMeasure, Constraints, ModeMatrix, Oracle};
 pub use policy::{Condition, Policy, Rule, RulesRouter, DEFAULT_POLICY_TOML};
+pub use prefix::PrefixIndex;
 pub use rules::{Class, RuleConfig};
 pub use switchyard_request::Mode;

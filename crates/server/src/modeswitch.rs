@@ -23,8 +23,7 @@
 //! `x-switchyard-mode` and `x-switchyard-route` headers, listed at `GET /admin/routes`, and
 //! counted in /metrics.
 
-use std::collections::{HashSet, VecDeque};
-use std::hash::{Hash, Hasher};
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -36,7 +35,7 @@ use switchyard_modes::gptq::{GptqCalibration, GptqSettings};
 use switchyard_modes::serve::{ModeAssets, ModeServer, DEFAULT_SPEC_K};
 use switchyard_request::{Mode, Precision};
 use switchyard_router::{
-    Decision, LearnedRouter, ModeSet, Policy, RequestFeatures, Router, RulesRouter,
+    Decision, LearnedRouter, ModeSet, Policy, PrefixIndex, RequestFeatures, Router, RulesRouter,
 };
 use switchyard_tokenizer::Tokenizer;
 use tokio::sync::{watch, OnceCell, Semaphore};
@@ -52,12 +51,8 @@ use crate::ServerError;
 pub const DEFAULT_MODE_BUDGET: u64 = 1 << 30;
 /// Decisions kept for `/admin/routes`.
 pub const RECENT_ROUTES: usize = 256;
-/// Prompt prefixes are remembered at multiples of this many tokens (the KV block size).
-pub const PREFIX_GRAIN: usize = 16;
 /// How long routing waits for the engine's memory figures before using the last ones.
 pub const PRESSURE_TIMEOUT_MS: u64 = 20;
-/// Prefix hashes remembered (oldest forgotten first).
-pub const PREFIX_MEMORY: usize = 65_536;
 
 /// One routing decision as `/admin/routes` lists it.
 #[derive(Debug, Clone, Serialize)]
@@ -89,51 +84,6 @@ enum Engine {
     },
     /// Says how the background load ended.
     Loading(watch::Receiver<LoadOutcome>),
-}
-
-/// Hashes of block-aligned prompt prefixes seen before.
-#[derive(Default)]
-struct PrefixIndex {
-    seen: HashSet<u64>,
-    order: VecDeque<u64>,
-}
-
-impl PrefixIndex {
-    /// The hash of each block-aligned prefix of `prompt` ([`PREFIX_GRAIN`] tokens, twice
-    /// that, ...). Each extends the hash of the one before, so the prompt is hashed once.
-    pub fn hashes(prompt: &[u32]) -> Vec<u64> {
-        let mut previous = 0u64;
-        prompt
-            .chunks_exact(PREFIX_GRAIN)
-            .map(|grain| {
-                let mut h = std::collections::hash_map::DefaultHasher::new();
-                previous.hash(&mut h);
-                grain.hash(&mut h);
-                previous = h.finish();
-                previous
-            })
-            .collect()
-    }
-
-    /// The longest block-aligned prefix seen before, of a prompt with these prefix
-    /// [`PrefixIndex::hashes`]; then remembers them.
-    fn observe(&mut self, hashes: &[u64]) -> usize {
-        let mut shared = 0;
-        for (i, &h) in hashes.iter().enumerate() {
-            if self.seen.contains(&h) {
-                shared = (i + 1) * PREFIX_GRAIN;
-            } else {
-                self.seen.insert(h);
-                self.order.push_back(h);
-                if self.order.len() > PREFIX_MEMORY {
-                    if let Some(old) = self.order.pop_front() {
-                        self.seen.remove(&old);
-                    }
-                }
-            }
-        }
-        shared
-    }
 }
 
 /// Builds one mode's engine from the model's assets within a budget (blocking):
@@ -660,40 +610,4 @@ pub fn load_local(
 
 fn invalid(msg: String) -> ServerError {
     ServerError::Config(crate::config::ConfigError::Invalid(msg))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn prefix_index_finds_block_aligned_shared_prefixes() {
-        let mut p = PrefixIndex::default();
-        let mut observe = |prompt: &[u32]| p.observe(&PrefixIndex::hashes(prompt));
-        let a: Vec<u32> = (0..100).collect();
-        assert_eq!(observe(&a), 0);
-        // Same first 40 tokens: 32 of them are in whole 16-token grains.
-        let mut b: Vec<u32> = (0..40).collect();
-        b.extend(1000..1060);
-        assert_eq!(observe(&b), 32);
-        assert_eq!(observe(&a), 96);
-        assert_eq!(observe(&[7; 15]), 0);
-        // Equal grains after different ones are not a shared prefix.
-        let mut c: Vec<u32> = (500..516).collect();
-        c.extend(16..32);
-        assert_eq!(observe(&c), 0);
-    }
-
-    /// A prompt of 65,536 tokens has 4,096 block-aligned prefixes: hashed one after another,
-    /// not each from the start (134 million tokens hashed).
-    #[test]
-    fn a_long_prompt_is_hashed_once() {
-        let long: Vec<u32> = (0..65_536).collect();
-        let mut p = PrefixIndex::default();
-        let t0 = Instant::now();
-        assert_eq!(p.observe(&PrefixIndex::hashes(&long)), 0);
-        assert_eq!(p.observe(&PrefixIndex::hashes(&long)), 65_536);
-        let took = t0.elapsed();
-        assert!(took < std::time::Duration::from_millis(50), "{took:?}");
-    }
 }

@@ -513,20 +513,23 @@ async fn a_fitted_policy_file_routes_each_class_to_its_fitted_mode() {
     let s = start(&toml).await;
     let long_prompt = "The quick brown fox jumps over the lazy dog. ".repeat(60);
     // (workload label, prompt, max_tokens, mode, rule); the matrix has no shared-prefix or
-    // memory-pressure cell, so the fit wrote no rule for them.
+    // memory-pressure cell, so the fit wrote no rule for them. Rule 1 is
+    // `multiple-choice/batch` (q4: multiple-choice requests in a full queue), which one
+    // request at a time does not reach.
+    assert_eq!(report.policy.rules()[0].id, "multiple-choice/batch");
     let cases = [
-        (Some("batch"), PROMPT.to_string(), 4, "int8", "1:batch"),
-        (Some("gsm8k"), PROMPT.to_string(), 4, "int8", "2:math"),
+        (Some("batch"), PROMPT.to_string(), 4, "int8", "2:batch"),
+        (Some("gsm8k"), PROMPT.to_string(), 4, "int8", "3:math"),
         (
             Some("mmlu"),
             PROMPT.to_string(),
             1,
             "q4",
-            "3:multiple-choice",
+            "4:multiple-choice",
         ),
-        (None, long_prompt, 4, "int8", "4:prefill-heavy"),
-        (None, PROMPT.to_string(), 128, "int8", "5:decode-heavy"),
-        (None, PROMPT.to_string(), 4, "q4", "6:interactive"),
+        (None, long_prompt, 4, "int8", "5:prefill-heavy"),
+        (None, PROMPT.to_string(), 128, "int8", "6:decode-heavy"),
+        (None, PROMPT.to_string(), 4, "q4", "7:interactive"),
     ];
     for (workload, prompt, max_tokens, mode, rule) in cases {
         let mut r = common::client()
