@@ -39,21 +39,23 @@ pub const HELD_OUT_REQUESTS: usize = 200;
 
 /// The matrix as the oracle reads it: cells by workload, latency, memory, accuracy points,
 /// and each mode's quality against f16 (bits per byte, paired task intervals) for the gate.
-/// A workload where f16 itself did not run (it did not fit) has no baseline to gate against
-/// and is left out; the oracle maps its requests to the nearest measured cell.
+/// A workload f16 tried and could not run (it did not fit) keeps the modes that ran, with
+/// f16's error as the reason it has no baseline; one f16 never tried is left out.
 pub fn matrix_of(report: &ModesReport) -> ModeMatrix {
     let mut m = ModeMatrix::default();
-    let has_baseline = |w: &str| {
+    let baseline = |w: &str| {
         report
             .cells
             .iter()
-            .any(|c| c.workload == w && c.mode == Mode::F16 && c.error.is_none())
+            .find(|c| c.workload == w && c.mode == Mode::F16)
     };
-    for c in report
-        .cells
-        .iter()
-        .filter(|c| c.error.is_none() && has_baseline(&c.workload))
-    {
+    for c in report.cells.iter().filter(|c| c.error.is_none()) {
+        let Some(f16) = baseline(&c.workload) else {
+            continue;
+        };
+        if let Some(why) = &f16.error {
+            m.baseline_failed.insert(c.workload.clone(), why.clone());
+        }
         let accuracy = report
             .quality
             .iter()

@@ -24,8 +24,11 @@
 //! situation's cells.
 //!
 //! A class whose cells the matrix lacks gets no rule (its requests fall through to the next
-//! rule that holds, at worst the f16 default); the report says which and why. Over several
-//! cells a mode is scored by the sum of its mean latencies, so each cell weighs by its time.
+//! rule that holds, at worst the f16 default); the report says which and why. Where f16 could
+//! not run a class's cell (the matrix's `baseline_failed`: memory pressure, typically), the
+//! class gets the fastest mode that ran there and passes the gate and the memory limit, or no
+//! rule if none does. Over several cells a mode is scored by the sum of its mean latencies, so
+//! each cell weighs by its time.
 
 use serde::Serialize;
 use switchyard_request::Mode;
@@ -46,8 +49,8 @@ pub struct FitChoice {
     pub mode: Mode,
     /// Sum of the chosen mode's mean latencies over the cells, seconds.
     pub latency_s: f64,
-    /// The same for f16.
-    pub f16_latency_s: f64,
+    /// The same for f16; None where f16 cannot run in one of the cells.
+    pub f16_latency_s: Option<f64>,
     /// Modes faster than the chosen one, with the reasons they were refused.
     pub refused: Vec<(Mode, Vec<String>)>,
 }
@@ -118,8 +121,12 @@ const CLASSES: [FitClass; 8] = [
     },
 ];
 
-/// The classes whose requests are judged on tasks of their own, wherever they arrive.
-const QUALITY_CLASSES: [&str; 2] = [gate::CLASS_MATH, gate::CLASS_MULTIPLE_CHOICE];
+/// The classes whose requests are judged on tasks of their own, wherever they arrive, and the
+/// workload labels that mark them.
+const QUALITY_CLASSES: [(&str, &[&str]); 2] = [
+    (gate::CLASS_MATH, &gate::MATH_LABELS),
+    (gate::CLASS_MULTIPLE_CHOICE, &gate::MULTIPLE_CHOICE_LABELS),
+];
 
 /// The situational classes: the classifier (or memory pressure) puts a request there whatever
 /// its workload, so a math or multiple-choice request in one of them is judged on its own
@@ -139,14 +146,14 @@ struct Pick {
 
 /// The fastest mode measured in every one of `cells` that keeps the constraints against f16
 /// there and passes `gate` for `class`. Over several cells a mode is scored by the sum of its
-/// mean latencies.
+/// mean latencies. None where no mode passes and f16 could not run in one of the cells.
 fn pick(
     matrix: &ModeMatrix,
     constraints: &Constraints,
     gate: &Gate,
     cells: &[&String],
     class: &str,
-) -> Result<Pick> {
+) -> Result<Option<Pick>> {
     let total = |mode: Mode| -> Option<f64> {
         cells
             .iter()
@@ -165,11 +172,8 @@ fn pick(
             .map(ToString::to_string)
             .collect();
         for c in cells {
-            let cell = &matrix.cells[*c];
-            if let (Some(m), Some(base)) = (cell.get(&mode), cell.get(&Mode::BASELINE)) {
-                if !constraints.admits(m, base) {
-                    why.push(format!("{c}: outside the constraints against f16"));
-                }
+            if !matrix.within(constraints, c, mode) {
+                why.push(format!("{c}: outside the constraints against f16"));
             }
         }
         why
@@ -186,20 +190,45 @@ fn pick(
             refused.push((mode, why));
         }
     }
-    // f16 is measured in every cell and always admitted, so a mode is always chosen.
-    let (mode, latency_s) = chosen.ok_or_else(|| RouterError::InvalidCell {
-        cell: cells[0].clone(),
-        reason: "no mode is admitted, not even f16".into(),
-    })?;
-    Ok(Pick {
+    // f16 is always admitted, so where it ran a mode is always chosen.
+    let Some((mode, latency_s)) = chosen else {
+        if cells
+            .iter()
+            .any(|c| matrix.baseline_failed.contains_key(*c))
+        {
+            return Ok(None);
+        }
+        return Err(RouterError::InvalidCell {
+            cell: cells[0].clone(),
+            reason: "no mode is admitted, not even f16".into(),
+        });
+    };
+    Ok(Some(Pick {
         mode,
         latency_s,
         refused,
         admitted,
-    })
+    }))
 }
 
-/// Fits a policy to `matrix` (which must hold f16 in every cell) under `constraints` and
+/// Why a class whose cells f16 could not run gets no rule: no mode that runs there passes.
+fn unserved(matrix: &ModeMatrix, cells: &[&String]) -> String {
+    let why: Vec<String> = cells
+        .iter()
+        .filter_map(|c| {
+            matrix
+                .baseline_failed
+                .get(*c)
+                .map(|reason| format!("{c}: {reason}"))
+        })
+        .collect();
+    format!(
+        "no mode that runs there passes the gate, and f16 cannot run there ({})",
+        why.join("; ")
+    )
+}
+
+/// Fits a policy to `matrix` (which must hold f16 in every cell it could run) under `constraints` and
 /// `gate`, with `classifier`'s thresholds.
 ///
 /// Before each situational rule (batch, shared-prefix, memory-pressure) come rules for the
@@ -233,8 +262,7 @@ pub fn fit(
             let f16_latency_s = cells
                 .iter()
                 .map(|c| matrix.cells[*c].get(&Mode::BASELINE).map(|m| m.latency_s))
-                .sum::<Option<f64>>()
-                .unwrap_or(f64::NAN);
+                .sum::<Option<f64>>();
             rules.push(Rule::new(&id, when, p.mode));
             choices.push(FitChoice {
                 class: id,
@@ -263,26 +291,29 @@ pub fn fit(
         }
         let own = pick(matrix, constraints, gate, &cells, class.id)?;
         if situational(class.id) {
-            for q in QUALITY_CLASSES {
-                let inner = pick(matrix, constraints, gate, &cells, q)?;
-                if inner.mode != own.mode {
-                    let labels = CLASSES
-                        .iter()
-                        .find(|c| c.id == q)
-                        .map(|c| (c.when)())
-                        .expect("quality classes are in CLASSES");
-                    let when = Condition::All(vec![labels, (class.when)()]);
-                    add(&mut rules, format!("{q}/{}", class.id), when, &cells, inner);
+            for (q, marks) in QUALITY_CLASSES {
+                let id = format!("{q}/{}", class.id);
+                let Some(inner) = pick(matrix, constraints, gate, &cells, q)? else {
+                    skipped.push((id, unserved(matrix, &cells)));
+                    continue;
+                };
+                if own.as_ref().is_none_or(|o| o.mode != inner.mode) {
+                    let when =
+                        Condition::All(vec![Condition::Workload(labels(marks)), (class.when)()]);
+                    add(&mut rules, id, when, &cells, inner);
                 }
             }
         }
-        add(
-            &mut rules,
-            class.id.to_string(),
-            (class.when)(),
-            &cells,
-            own,
-        );
+        match own {
+            Some(own) => add(
+                &mut rules,
+                class.id.to_string(),
+                (class.when)(),
+                &cells,
+                own,
+            ),
+            None => skipped.push((class.id.to_string(), unserved(matrix, &cells))),
+        }
     }
     rules.push(Rule::new("default", Condition::Always, Mode::BASELINE));
     let policy = Policy::new(classifier, rules)?.with_gate(gate.clone())?;
@@ -308,13 +339,16 @@ impl FitReport {
             "# ModeSwitch policy fitted by `switchyard router fit` to {source}.\n# Per class, the fastest mode that passes the quality gate ([router.gate]).\n"
         );
         for c in &self.choices {
+            let f16 = c.f16_latency_s.map_or_else(
+                || "f16 cannot run there".into(),
+                |t| format!("f16 {t:.3} s"),
+            );
             out.push_str(&format!(
-                "# {}: {} ({:.3} s over {}, f16 {:.3} s)\n",
+                "# {}: {} ({:.3} s over {}, {f16})\n",
                 c.class,
                 c.mode,
                 c.latency_s,
                 c.cells.join("+"),
-                c.f16_latency_s
             ));
         }
         for (class, why) in &self.skipped {
@@ -336,14 +370,16 @@ impl FitReport {
                 .map(|(m, why)| format!("{m}: {}", why.join("; ")))
                 .collect::<Vec<_>>()
                 .join("<br>");
+            let (f16, speedup) = c.f16_latency_s.map_or_else(
+                || ("cannot run".to_string(), "—".to_string()),
+                |t| (format!("{t:.3}"), format!("{:.2}x", t / c.latency_s)),
+            );
             md.push_str(&format!(
-                "| {} | {} | {} | {:.3} | {:.3} | {:.2}x | {} |\n",
+                "| {} | {} | {} | {:.3} | {f16} | {speedup} | {} |\n",
                 c.class,
                 c.cells.join("+"),
                 c.mode,
                 c.latency_s,
-                c.f16_latency_s,
-                c.f16_latency_s / c.latency_s,
                 if refused.is_empty() {
                     "—".into()
                 } else {

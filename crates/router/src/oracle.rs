@@ -52,12 +52,18 @@ pub struct CellMeasure {
 }
 
 /// Measurements of modes per workload cell: `cells[cell][mode]`. Cells are named freely
-/// ("SS", "gsm8k", "shared-prefix", ...); every cell must hold the baseline (f16).
+/// ("SS", "gsm8k", "shared-prefix", ...); every cell must hold the baseline (f16), unless
+/// `baseline_failed` says why f16 could not run there (a workload whose prompts do not fit f16's
+/// memory): in such a cell the constraints against f16 cannot be checked, and only the memory
+/// limit and the quality gate judge a mode.
 /// In JSON: `{"cells": {"SS": {"f16": {"latency_s": 1.0, "peak_memory_bytes": 100}, ...}}}`.
 /// `quality` (optional) holds each mode's measured quality against f16 for the [`Gate`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ModeMatrix {
     pub cells: BTreeMap<String, BTreeMap<Mode, CellMeasure>>,
+    /// Cells f16 could not run, and why.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub baseline_failed: BTreeMap<String, String>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub quality: BTreeMap<Mode, QualityMeasure>,
 }
@@ -99,11 +105,21 @@ impl ModeMatrix {
                 cell: cell.clone(),
                 reason,
             };
-            if !modes.contains_key(&Mode::BASELINE) {
-                return Err(invalid(format!(
-                    "no {} (baseline) measure to compare against",
-                    Mode::BASELINE
-                )));
+            let failed = self.baseline_failed.contains_key(cell);
+            match (modes.contains_key(&Mode::BASELINE), failed) {
+                (false, false) => {
+                    return Err(invalid(format!(
+                        "no {} (baseline) measure to compare against",
+                        Mode::BASELINE
+                    )))
+                }
+                (true, true) => {
+                    return Err(invalid(format!(
+                        "holds a {} measure but lists it as failed",
+                        Mode::BASELINE
+                    )))
+                }
+                _ => {}
             }
             for (mode, m) in modes {
                 if !(m.latency_s.is_finite() && m.latency_s > 0.0) {
@@ -131,7 +147,32 @@ impl ModeMatrix {
                 }
             }
         }
+        if let Some(cell) = self
+            .baseline_failed
+            .keys()
+            .find(|c| !self.cells.contains_key(*c))
+        {
+            return Err(RouterError::InvalidCell {
+                cell: cell.clone(),
+                reason: "listed as failed for the baseline but has no measures".into(),
+            });
+        }
         Ok(())
+    }
+
+    /// Whether `mode` keeps `constraints` in `cell`: against f16's measure there, or, where f16
+    /// could not run, the memory limit alone. False where the mode was not measured.
+    pub fn within(&self, constraints: &Constraints, cell: &str, mode: Mode) -> bool {
+        let Some(modes) = self.cells.get(cell) else {
+            return false;
+        };
+        match (modes.get(&mode), modes.get(&Mode::BASELINE)) {
+            (Some(m), Some(base)) => constraints.admits(m, base),
+            (Some(m), None) if self.baseline_failed.contains_key(cell) => {
+                constraints.admits_alone(m)
+            }
+            _ => false,
+        }
     }
 }
 
@@ -211,10 +252,13 @@ impl Constraints {
             (Some(_), Some(_), Some(e)) => e == 0.0,
             _ => true,
         };
-        let memory_ok = self
-            .memory_limit_bytes
-            .is_none_or(|limit| m.peak_memory_bytes <= limit);
-        accuracy_ok && quality_ok && energy_ok && memory_ok
+        accuracy_ok && quality_ok && energy_ok && self.admits_alone(m)
+    }
+
+    /// The constraints that hold without a baseline to compare with: the memory limit.
+    pub fn admits_alone(&self, m: &CellMeasure) -> bool {
+        self.memory_limit_bytes
+            .is_none_or(|limit| m.peak_memory_bytes <= limit)
     }
 }
 
@@ -316,19 +360,11 @@ impl Oracle {
     /// Whether `mode` may serve requests of `class` in `cell`: the constraints against the
     /// cell's f16 and the quality gate for the class.
     pub fn admits(&self, cell: &str, class: &str, mode: Mode) -> bool {
-        let Some(modes) = self.matrix.cells.get(cell) else {
-            return false;
-        };
-        match (modes.get(&mode), modes.get(&Mode::BASELINE)) {
-            (Some(m), Some(base)) => {
-                self.constraints.admits(m, base)
-                    && self.passing.get(class).map_or_else(
-                        || self.gate.passes(&self.matrix.quality, mode, class),
-                        |set| set.contains(mode),
-                    )
-            }
-            _ => false,
-        }
+        self.matrix.within(&self.constraints, cell, mode)
+            && self.passing.get(class).map_or_else(
+                || self.gate.passes(&self.matrix.quality, mode, class),
+                |set| set.contains(mode),
+            )
     }
 
     pub fn matrix(&self) -> &ModeMatrix {

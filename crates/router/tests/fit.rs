@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use switchyard_router::{
-    fit, CellMeasure, Constraints, Gate, Mode, ModeMatrix, ModeSet, PairedDelta, Policy,
+    fit, CellMeasure, Constraints, Gate, Mode, ModeMatrix, ModeSet, Oracle, PairedDelta, Policy,
     QualityMeasure, RequestFeatures, Router, RuleConfig, RulesRouter,
 };
 
@@ -182,7 +182,7 @@ fn fit_picks_what_a_hand_computation_picks_for_every_class() {
     let refused: Vec<Mode> = mc_sp.refused.iter().map(|(m, _)| *m).collect();
     assert_eq!(refused, [Mode::Q4PrefixCache, Mode::Q4]);
     let sp = &report.choices[2];
-    assert!((sp.latency_s - 1.2).abs() < 1e-12 && (sp.f16_latency_s - 2.0).abs() < 1e-12);
+    assert!((sp.latency_s - 1.2).abs() < 1e-12 && sp.f16_latency_s == Some(2.0));
     let refused: Vec<Mode> = sp.refused.iter().map(|(m, _)| *m).collect();
     assert_eq!(refused, [Mode::Q4PrefixCache, Mode::Q4, Mode::Q4Awq]);
     assert_eq!(
@@ -278,6 +278,103 @@ fn math_requests_with_a_cached_prefix_keep_their_gate() {
     assert_eq!((d.mode, d.rule.as_str()), (Mode::Q4Awq, "3:shared-prefix"));
     let back = Policy::from_toml(&report.policy_toml("a hand-made matrix").unwrap()).unwrap();
     assert_eq!(back, report.policy);
+}
+
+/// A workload f16 cannot run (its prompts do not fit f16's memory): the matrix says why, the
+/// class gets the fastest mode that runs there and passes the gate, and without the reason
+/// the matrix is refused as before.
+#[test]
+fn a_cell_f16_cannot_run_gets_the_fastest_passing_mode_that_runs() {
+    let mut m = matrix();
+    for (mode, latency) in [(Mode::Int8, 6.0), (Mode::Q4, 4.0), (Mode::Q4Awq, 5.0)] {
+        m.insert("memory-pressure", mode, cell(latency));
+    }
+    let fitted =
+        |m: &ModeMatrix, c: &Constraints| fit(m, c, &Gate::default(), RuleConfig::default());
+    assert_eq!(
+        fitted(&m, &Constraints::default()).unwrap_err().to_string(),
+        "mode matrix cell \"memory-pressure\": no f16 (baseline) measure to compare against"
+    );
+    let why = "the prompt needs 1920 KV blocks; the pool holds 1441";
+    m.baseline_failed
+        .insert("memory-pressure".into(), why.into());
+    let report = fitted(&m, &Constraints::default()).unwrap();
+    // By hand: memory-pressure judged on every task: q4 4.0 fails bits per byte, q4-awq 5.0
+    // fails GSM8K, int8 6.0 passes. Multiple-choice there: q4-awq 5.0 (q4 refused); math there:
+    // int8, the same as the class's own.
+    let modes: Vec<(String, Mode)> = chosen(&report)
+        .into_iter()
+        .filter(|(c, _)| c.contains("memory-pressure"))
+        .collect();
+    assert_eq!(
+        modes,
+        named(&[
+            ("multiple-choice/memory-pressure", Mode::Q4Awq),
+            ("memory-pressure", Mode::Int8),
+        ])
+    );
+    assert!(report.skipped.is_empty(), "{:?}", report.skipped);
+    let mp = report
+        .choices
+        .iter()
+        .find(|c| c.class == "memory-pressure")
+        .unwrap();
+    assert_eq!((mp.latency_s, mp.f16_latency_s), (6.0, None));
+    assert!(report
+        .markdown()
+        .contains("| memory-pressure | memory-pressure | int8 | 6.000 | cannot run | — |"));
+    // The memory-pressure rule comes after batch and shared-prefix and before math.
+    let ids: Vec<&str> = report
+        .policy
+        .rules()
+        .iter()
+        .map(|r| r.id.as_str())
+        .collect();
+    assert_eq!(
+        ids[3..6],
+        ["multiple-choice/memory-pressure", "memory-pressure", "math"]
+    );
+    // The oracle judges the same way there: the gate and the memory limit, no f16 to compare.
+    let oracle = Oracle::new(m.clone(), Constraints::default())
+        .unwrap()
+        .with_gate(Gate::default())
+        .unwrap();
+    assert!(oracle.admits("memory-pressure", "memory-pressure", Mode::Int8));
+    assert!(!oracle.admits("memory-pressure", "memory-pressure", Mode::Q4));
+    assert!(oracle.admits("memory-pressure", "multiple-choice", Mode::Q4Awq));
+    assert!(!oracle.admits("memory-pressure", "memory-pressure", Mode::F16));
+
+    // A memory limit no mode there keeps: no rule, and the report says why.
+    for mode in [Mode::Int8, Mode::Q4, Mode::Q4Awq] {
+        let mut c = cell(1.0);
+        c.peak_memory_bytes = 3 << 30;
+        m.insert("memory-pressure", mode, c);
+    }
+    let tight = Constraints {
+        memory_limit_bytes: Some(2 << 30),
+        ..Constraints::default()
+    };
+    let report = fitted(&m, &tight).unwrap();
+    let unserved = format!(
+        "no mode that runs there passes the gate, and f16 cannot run there (memory-pressure: {why})"
+    );
+    assert_eq!(
+        report.skipped,
+        [
+            ("math/memory-pressure".to_string(), unserved.clone()),
+            (
+                "multiple-choice/memory-pressure".to_string(),
+                unserved.clone()
+            ),
+            ("memory-pressure".to_string(), unserved),
+        ]
+    );
+    // f16 listed as failed where it has a measure is a contradiction.
+    m.insert("memory-pressure", Mode::F16, cell(9.0));
+    assert_eq!(
+        fitted(&m, &Constraints::default()).unwrap_err().to_string(),
+        "mode matrix cell \"memory-pressure\": holds a f16 measure but lists it as failed"
+    );
 }
 
 #[test]
