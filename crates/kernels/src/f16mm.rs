@@ -5,9 +5,8 @@
 //! microkernel) and returns f16. On the 2-core AVX-512 machine, scoring SmolLM2 at f16 on 300
 //! multiple-choice items and 4,096 tokens of text took 263 s that way (80 s with this kernel,
 //! same scores), which made f16, the baseline every mode is compared with, the slowest thing
-//! to measure. No crate offers an f16-weight,
-//! f32-accumulate product on AVX-512 (candle's own CPU f16 path is the one above), so it is
-//! written here.
+//! to measure. No crate offers an f16-weight, f32-accumulate product on AVX-512 (candle's own
+//! CPU f16 path is the one above), so it is written here.
 //!
 //! The arithmetic is that of an f16 layer: the input is rounded to f16, each output is one f32
 //! fused multiply-add chain over the inputs in order, `acc = fma(x[k], w[k], acc)`, and is

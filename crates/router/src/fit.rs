@@ -72,6 +72,9 @@ struct FitClass {
     id: &'static str,
     cells: &'static [&'static str],
     when: fn() -> Condition,
+    /// The classifier (or memory pressure) puts a request here whatever its workload, so a math
+    /// or multiple-choice request in this class is judged on its own tasks in these cells.
+    situational: bool,
 }
 
 fn labels(ls: &[&str]) -> Vec<String> {
@@ -83,41 +86,49 @@ const CLASSES: [FitClass; 8] = [
         id: "batch",
         cells: &["batch"],
         when: || Condition::Class(Class::Batch),
+        situational: true,
     },
     FitClass {
         id: "shared-prefix",
         cells: &["shared-prefix"],
         when: || Condition::Class(Class::SharedPrefix),
+        situational: true,
     },
     FitClass {
         id: gate::CLASS_MEMORY_PRESSURE,
         cells: &["memory-pressure"],
         when: || Condition::MemoryPressureHigh,
+        situational: true,
     },
     FitClass {
         id: gate::CLASS_MATH,
         cells: &["SL", "LL"],
         when: || Condition::Workload(labels(&gate::MATH_LABELS)),
+        situational: false,
     },
     FitClass {
         id: gate::CLASS_MULTIPLE_CHOICE,
         cells: &["SS", "LS"],
         when: || Condition::Workload(labels(&gate::MULTIPLE_CHOICE_LABELS)),
+        situational: false,
     },
     FitClass {
         id: "prefill-heavy",
         cells: &["LS"],
         when: || Condition::Class(Class::PrefillHeavy),
+        situational: false,
     },
     FitClass {
         id: "decode-heavy",
         cells: &["SL", "LL"],
         when: || Condition::Class(Class::DecodeHeavy),
+        situational: false,
     },
     FitClass {
         id: "interactive",
         cells: &["SS"],
         when: || Condition::Class(Class::Interactive),
+        situational: false,
     },
 ];
 
@@ -128,17 +139,12 @@ const QUALITY_CLASSES: [(&str, &[&str]); 2] = [
     (gate::CLASS_MULTIPLE_CHOICE, &gate::MULTIPLE_CHOICE_LABELS),
 ];
 
-/// The situational classes: the classifier (or memory pressure) puts a request there whatever
-/// its workload, so a math or multiple-choice request in one of them is judged on its own
-/// tasks in that situation's cells.
-fn situational(id: &str) -> bool {
-    matches!(id, "batch" | "shared-prefix" | gate::CLASS_MEMORY_PRESSURE)
-}
-
 /// The fastest mode for one class over some cells, and the faster ones refused.
 struct Pick {
     mode: Mode,
     latency_s: f64,
+    /// f16's summed latency over the same cells, where it ran in all of them.
+    f16_latency_s: Option<f64>,
     refused: Vec<(Mode, Vec<String>)>,
     /// Every mode admitted, with its summed latency.
     admitted: Vec<(Mode, f64)>,
@@ -206,6 +212,7 @@ fn pick(
     Ok(Some(Pick {
         mode,
         latency_s,
+        f16_latency_s: total(Mode::BASELINE),
         refused,
         admitted,
     }))
@@ -228,8 +235,8 @@ fn unserved(matrix: &ModeMatrix, cells: &[&String]) -> String {
     )
 }
 
-/// Fits a policy to `matrix` (which must hold f16 in every cell it could run) under `constraints` and
-/// `gate`, with `classifier`'s thresholds.
+/// Fits a policy to `matrix` (which must hold f16 in every cell it could run) under
+/// `constraints` and `gate`, with `classifier`'s thresholds.
 ///
 /// Before each situational rule (batch, shared-prefix, memory-pressure) come rules for the
 /// math and multiple-choice requests in that situation (`math/shared-prefix`, ...), where the
@@ -259,17 +266,13 @@ pub fn fit(
                 e.0 += latency;
                 e.1 += 1;
             }
-            let f16_latency_s = cells
-                .iter()
-                .map(|c| matrix.cells[*c].get(&Mode::BASELINE).map(|m| m.latency_s))
-                .sum::<Option<f64>>();
             rules.push(Rule::new(&id, when, p.mode));
             choices.push(FitChoice {
                 class: id,
                 cells: cells.iter().map(|c| c.to_string()).collect(),
                 mode: p.mode,
                 latency_s: p.latency_s,
-                f16_latency_s,
+                f16_latency_s: p.f16_latency_s,
                 refused: p.refused,
             });
         };
@@ -290,7 +293,7 @@ pub fn fit(
             continue;
         }
         let own = pick(matrix, constraints, gate, &cells, class.id)?;
-        if situational(class.id) {
+        if class.situational {
             for (q, marks) in QUALITY_CLASSES {
                 let id = format!("{q}/{}", class.id);
                 let Some(inner) = pick(matrix, constraints, gate, &cells, q)? else {
