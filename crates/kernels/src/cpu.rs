@@ -12,7 +12,7 @@ pub const FORCE_SCALAR_ENV: &str = "SWITCHYARD_FORCE_SCALAR";
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum SimdLevel {
     Scalar,
-    /// AVX2 with FMA (256-bit).
+    /// AVX2 with FMA and F16C (256-bit).
     Avx2,
     /// AVX-512 Foundation, Byte/Word and VNNI (512-bit integer dot products).
     Avx512,
@@ -42,12 +42,17 @@ pub fn simd_level() -> SimdLevel {
 
 #[cfg(target_arch = "x86_64")]
 fn detect() -> SimdLevel {
-    if is_x86_feature_detected!("avx512f")
+    // Every level runs the ones below it, so AVX-512 is taken only with AVX2's features too.
+    let avx2 = is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    if avx2
+        && is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vnni")
     {
         SimdLevel::Avx512
-    } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    } else if avx2 {
         SimdLevel::Avx2
     } else {
         SimdLevel::Scalar

@@ -360,7 +360,7 @@ mod tests {
         }
         // Candle's f16 product of the same operands.
         let dev = Device::Cpu;
-        let wt = Tensor::from_vec(w16, (n, k), &dev).expect("w");
+        let wt = Tensor::from_vec(w16.clone(), (n, k), &dev).expect("w");
         let xt = Tensor::from_vec(x.clone(), (rows, k), &dev)
             .and_then(|t| t.to_dtype(candle_core::DType::F16))
             .expect("x");
@@ -375,7 +375,30 @@ mod tests {
             .zip(&want)
             .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
             .fold(0f32, f32::max);
-        assert!(worst <= 2e-3, "largest difference from candle {worst}");
+        let mut ours = 0f64;
+        let mut theirs = 0f64;
+        for i in 0..rows {
+            for j in 0..n {
+                let exact: f64 = (0..k)
+                    .map(|kk| xr[i * k + kk] * w16[j * k + kk].to_f64())
+                    .sum();
+                let e = exact.abs().max(1.0);
+                ours = ours.max((got[i * n + j] as f64 - exact).abs() / e);
+                theirs = theirs.max((want[i * n + j] as f64 - exact).abs() / e);
+            }
+        }
+        // Candle's CPU f16 product is less exact than ours on machines without AVX-512:
+        // measured on an AMD EPYC (AVX2), ours 4.8e-4 from the exact sums, candle's 3.6e-3,
+        // 3.4e-3 apart; on Sapphire Rapids the two were within 2e-3 of each other.
+        assert!(
+            ours <= 1e-3,
+            "largest difference from the exact sums {ours}"
+        );
+        assert!(
+            ours <= theirs,
+            "ours {ours} from the exact sums, candle's product {theirs}"
+        );
+        assert!(worst <= 4e-3, "largest difference from candle {worst}");
     }
 
     #[test]

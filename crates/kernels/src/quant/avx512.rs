@@ -5,16 +5,9 @@
 use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
-use super::{pack::Kind, PackedWeight, QActs, ACT_BLOCK, MAX_TILE, PANEL};
-
-// The source type as a const parameter (`Kind` cannot be one on stable Rust), so that each
-// instance computes its scales without a branch and inlines them.
-const Q4_0: u8 = 0;
-const Q4_1: u8 = 1;
-const Q5_0: u8 = 2;
-const Q8_0: u8 = 3;
-const Q4K: u8 = 4;
-const Q6K: u8 = 5;
+use super::kind_id::*;
+#[cfg(target_arch = "x86_64")]
+use super::{PackedWeight, QActs, ACT_BLOCK, MAX_TILE, PANEL};
 
 /// `(d, m)` vectors of (panel `p`, sub-block `s`) of a `KIND` matrix, by the reference's f32
 /// operations.
@@ -80,15 +73,7 @@ pub(super) unsafe fn panel(
     tile: &mut [[f32; PANEL]; MAX_TILE],
 ) {
     // One instance per source type, so the group loops unroll and branch-free.
-    match (w.fmt.kind, w.fmt.groups(), w.fmt.wide, w.fmt.planes) {
-        (Kind::Q8_0, 8, true, 0) => panel_impl::<8, true, 0, Q8_0>(w, p, acts, rows, tile),
-        (Kind::Q4_0, 8, false, 0) => panel_impl::<8, false, 0, Q4_0>(w, p, acts, rows, tile),
-        (Kind::Q4_1, 8, false, 0) => panel_impl::<8, false, 0, Q4_1>(w, p, acts, rows, tile),
-        (Kind::Q4K, 8, false, 0) => panel_impl::<8, false, 0, Q4K>(w, p, acts, rows, tile),
-        (Kind::Q5_0, 8, false, 1) => panel_impl::<8, false, 1, Q5_0>(w, p, acts, rows, tile),
-        (Kind::Q6K, 4, false, 2) => panel_impl::<4, false, 2, Q6K>(w, p, acts, rows, tile),
-        _ => super::scalar::panel(w, p, acts, rows, tile),
-    }
+    per_kind!(panel_impl, w, p, acts, rows, tile)
 }
 
 /// Dispatches on the number of activation rows, so that every row's accumulator stays in a

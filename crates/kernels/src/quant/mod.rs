@@ -9,6 +9,36 @@
 
 pub mod pack;
 
+/// The source types as const parameters of the SIMD kernels (`Kind` cannot be one on stable
+/// Rust), so that each instance computes its scales without a branch and inlines them.
+mod kind_id {
+    pub const Q4_0: u8 = 0;
+    pub const Q4_1: u8 = 1;
+    pub const Q5_0: u8 = 2;
+    pub const Q8_0: u8 = 3;
+    pub const Q4K: u8 = 4;
+    pub const Q6K: u8 = 5;
+}
+
+/// Calls `$imp::<GROUPS, WIDE, PLANES, KIND>(w, p, acts, rows, tile)`, one instance per source
+/// type, or the scalar reference for a layout no instance covers.
+macro_rules! per_kind {
+    ($imp:ident, $w:expr, $p:expr, $acts:expr, $rows:expr, $tile:expr) => {{
+        use super::kind_id::*;
+        use super::pack::Kind;
+        let (w, p, acts, rows, tile) = ($w, $p, $acts, $rows, $tile);
+        match (w.fmt.kind, w.fmt.groups(), w.fmt.wide, w.fmt.planes) {
+            (Kind::Q8_0, 8, true, 0) => $imp::<8, true, 0, Q8_0>(w, p, acts, rows, tile),
+            (Kind::Q4_0, 8, false, 0) => $imp::<8, false, 0, Q4_0>(w, p, acts, rows, tile),
+            (Kind::Q4_1, 8, false, 0) => $imp::<8, false, 0, Q4_1>(w, p, acts, rows, tile),
+            (Kind::Q4K, 8, false, 0) => $imp::<8, false, 0, Q4K>(w, p, acts, rows, tile),
+            (Kind::Q5_0, 8, false, 1) => $imp::<8, false, 1, Q5_0>(w, p, acts, rows, tile),
+            (Kind::Q6K, 4, false, 2) => $imp::<4, false, 2, Q6K>(w, p, acts, rows, tile),
+            _ => super::scalar::panel(w, p, acts, rows, tile),
+        }
+    }};
+}
+
 mod avx2;
 mod avx512;
 mod scalar;
@@ -315,7 +345,7 @@ impl PackedWeight {
             // SAFETY: simd_level() returns Avx512 only with avx512f, avx512bw and avx512vnni.
             SimdLevel::Avx512 => unsafe { avx512::panel(self, p, acts, rows, tile) },
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: simd_level() returns Avx2 only with avx2 and fma.
+            // SAFETY: simd_level() returns Avx2 only with avx2, fma and f16c.
             SimdLevel::Avx2 => unsafe { avx2::panel(self, p, acts, rows, tile) },
             _ => scalar::panel(self, p, acts, rows, tile),
         }

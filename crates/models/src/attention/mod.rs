@@ -45,6 +45,9 @@ use switchyard_kernels::prof::{self, Part};
 use crate::kv::KvChunk;
 use crate::Result;
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
 /// Query rows per task: they share each K and V row read.
 const ROWS_PER_TASK: usize = 16;
 /// Positions per tile (fixed by absolute position: part of the arithmetic, not of the split).
@@ -403,16 +406,19 @@ fn tile_partials(
             tile_avx512(seq, task, shape, out)
         },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: simd_level() returns Avx2/Avx512 only when the CPU reports avx2 and fma.
+        // SAFETY: simd_level() returns Avx2/Avx512 only when the CPU reports avx2, fma and
+        // f16c.
         SimdLevel::Avx2 | SimdLevel::Avx512 => unsafe { tile_avx2(seq, task, shape, out) },
         _ => tile_with::<Portable>(seq, task, shape, out),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_avx2(seq: &SeqAttn<'_>, task: &Task, shape: &AttnShape, out: &mut [f32]) {
-    tile_with::<Portable>(seq, task, shape, out)
+    if !avx2::row_tile(seq, task, shape, out) {
+        tile_with::<Portable>(seq, task, shape, out)
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -627,20 +633,42 @@ unsafe fn tile_in_place<const VECS: usize>(
     shape: &AttnShape,
     out: &mut [f32],
 ) -> bool {
+    match in_place_rows(seq) {
+        Some(InPlace::F16) => tile_of::<half::f16, VECS>(seq, task, shape, out, f16_rows),
+        Some(InPlace::F32) => tile_of::<f32, VECS>(seq, task, shape, out, f32_rows),
+        None => return false,
+    }
+    true
+}
+
+/// How every chunk of a sequence holds its rows, where the in-place kernels can read them.
+#[derive(Clone, Copy)]
+enum InPlace {
+    F16,
+    F32,
+}
+
+/// `None` for 8-bit rows, or a mix of f16 and f32 chunks (the general tile serves those).
+fn in_place_rows(seq: &SeqAttn<'_>) -> Option<InPlace> {
     if seq.chunks.iter().any(|c| c.int8.is_some()) {
-        return false;
-    }
-    if seq.chunks.iter().all(|c| c.f16.is_some()) {
-        tile_of::<half::f16, VECS>(seq, task, shape, out, |c| {
-            c.f16.map(|h| (h.k, h.v)).unwrap_or_default()
-        });
-        true
+        None
+    } else if seq.chunks.iter().all(|c| c.f16.is_some()) {
+        Some(InPlace::F16)
     } else if seq.chunks.iter().all(|c| c.f16.is_none()) {
-        tile_of::<f32, VECS>(seq, task, shape, out, |c| (c.k, c.v));
-        true
+        Some(InPlace::F32)
     } else {
-        false
+        None
     }
+}
+
+/// A chunk's f16 K and V rows (empty for other chunks, which [`in_place_rows`] rules out).
+fn f16_rows<'a>(c: &KvChunk<'a>) -> (&'a [half::f16], &'a [half::f16]) {
+    c.f16.map(|h| (h.k, h.v)).unwrap_or_default()
+}
+
+/// A chunk's f32 K and V rows.
+fn f32_rows<'a>(c: &KvChunk<'a>) -> (&'a [f32], &'a [f32]) {
+    (c.k, c.v)
 }
 
 /// [`row_tile_with`] or [`rows_tile_with`], by the number of query rows.
