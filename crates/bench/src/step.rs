@@ -316,12 +316,15 @@ fn read_sum(words: &[u64]) -> u64 {
     acc.iter().fold(tail, |a, w| a.wrapping_add(*w))
 }
 
-/// `(weight bytes, rows, GMAC/s)` of the Q8_0 kernel on a cache-resident weight.
+/// `(weight bytes, rows, GMAC/s)` of the Q8_0 kernel on a cache-resident weight (2.1 MiB:
+/// in L3 at least). A product of 512 x 1024 by 32 rows was too short to be a ceiling on an
+/// AMD EPYC (AVX2): its fixed costs (activation quantization, two hand-offs to the pool) held
+/// it to 30 GMAC/s; this size measured 58 GMAC/s in the next run on the same machine.
 fn int8_throughput() -> Result<(usize, usize, f64)> {
     use candle_core::quantized::{GgmlDType, QTensor};
-    const N: usize = 512;
+    const N: usize = 2048;
     const K: usize = 1024;
-    const ROWS: usize = 32;
+    const ROWS: usize = 64;
     let err = |e: candle_core::Error| BenchError::Invalid(format!("int8 ceiling: {e}"));
     let values: Vec<f32> = (0..N * K)
         .map(|i| ((i * 7919) % 255) as f32 - 127.0)

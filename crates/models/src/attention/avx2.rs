@@ -7,7 +7,9 @@
 //!
 //! Before it, a decode row went through the portable tile, which widens every K and V row
 //! into a buffer and calls a dot product per head and position: on this shape (SmolLM2, 64
-//! sequences of 1,024 f16 positions) 2.7 GB/s of K/V on an AMD EPYC (Zen 3) with AVX2.
+//! sequences of 1,024 f16 positions) 2.7 GB/s of K/V on an AMD EPYC (Zen 3) with AVX2, 11.4
+//! GB/s with this kernel (18.9 → 4.4 ms per layer; the ignored `paged_decode_attention_timing`
+//! test).
 
 use std::arch::x86_64::*;
 

@@ -1558,32 +1558,7 @@ mod tests {
     fn a_decode_row_equals_the_same_row_in_a_prefill_chunk() {
         use half::f16;
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        let shapes = [
-            SMOLLM2,
-            // Qwen2.5 0.5B, 1.5B; Gemma 3 270M with its sliding window.
-            AttnShape {
-                n_heads: 14,
-                n_kv_heads: 2,
-                head_dim: 64,
-                scale: 0.125,
-                window: None,
-            },
-            AttnShape {
-                n_heads: 12,
-                n_kv_heads: 2,
-                head_dim: 128,
-                scale: 0.088,
-                window: None,
-            },
-            AttnShape {
-                n_heads: 4,
-                n_kv_heads: 1,
-                head_dim: 256,
-                scale: 0.0625,
-                window: Some(300),
-            },
-        ];
-        for s in shapes {
+        for s in ZOO_SHAPES {
             let row = s.n_kv_heads * s.head_dim;
             let width = s.n_heads * s.head_dim;
             for (ctx, block) in [
@@ -1651,6 +1626,67 @@ mod tests {
         }
     }
 
+    /// A batch of decode rows (one per sequence, f16 and f32 caches, several shapes and
+    /// lengths, a sliding window) on the AVX2 one-row kernel equals the portable tile compiled
+    /// without SIMD, bit for bit: the two share one arithmetic, so a decode row's output does
+    /// not depend on the instruction set below AVX-512, nor on the kernel that served it.
+    #[test]
+    fn decode_rows_on_avx2_equal_the_portable_tile() {
+        use half::f16;
+        if !switchyard_kernels::cpu::available_levels().contains(&SimdLevel::Avx2) {
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+        for s in ZOO_SHAPES {
+            let row = s.n_kv_heads * s.head_dim;
+            let width = s.n_heads * s.head_dim;
+            let lens = [1usize, 5, 256, 257, 530];
+            let caches: Vec<(Vec<f32>, Vec<f32>)> =
+                lens.iter().map(|&n| realistic(&mut rng, n, &s)).collect();
+            let halves: Vec<(Vec<f16>, Vec<f16>)> = caches
+                .iter()
+                .map(|(k, v)| {
+                    let h = |x: &Vec<f32>| x.iter().map(|&x| f16::from_f32(x)).collect();
+                    (h(k), h(v))
+                })
+                .collect();
+            let q: Vec<f32> = (0..lens.len() * width)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            for half in [false, true] {
+                let seqs = || -> Vec<SeqAttn<'_>> {
+                    lens.iter()
+                        .enumerate()
+                        .map(|(i, &n)| SeqAttn {
+                            q: &q[i * width..(i + 1) * width],
+                            start: n - 1,
+                            n: 1,
+                            chunks: if half {
+                                let (k, v) = &halves[i];
+                                k.chunks(16 * row)
+                                    .zip(v.chunks(16 * row))
+                                    .map(|(k, v)| KvChunk::f16(F16Rows { k, v }, k.len() / row))
+                                    .collect()
+                            } else {
+                                f32_chunks(&caches[i].0, &caches[i].1, &s, 16)
+                            },
+                        })
+                        .collect()
+                };
+                let want = attend_at(&seqs(), &s, SimdLevel::Scalar).expect("scalar");
+                let got = attend_at(&seqs(), &s, SimdLevel::Avx2).expect("avx2");
+                assert_eq!(got.len(), want.len());
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{s:?} f16 {half} value {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+
     /// Attention over an 8-bit cache against attention over the f32 cache it was quantized
     /// from, on the data of [`realistic`] (smollm2's shape, K with outlier channels): the RMS of
     /// the difference as a fraction of the RMS of the f32 output. Measured 2.1-2.3e-2
@@ -1661,6 +1697,33 @@ mod tests {
     /// The largest difference, as a fraction of the largest |V| in the cache. Measured 2.8e-2
     /// for a decode row and 6.1e-2 over a 40-row prefill chunk.
     const KV_INT8_ATTN_MAX_TOL: f32 = 1e-1;
+
+    /// The zoo's attention shapes: SmolLM2, Qwen2.5 0.5B and 1.5B, Gemma 3 270M with its
+    /// sliding window.
+    const ZOO_SHAPES: [AttnShape; 4] = [
+        SMOLLM2,
+        AttnShape {
+            n_heads: 14,
+            n_kv_heads: 2,
+            head_dim: 64,
+            scale: 0.125,
+            window: None,
+        },
+        AttnShape {
+            n_heads: 12,
+            n_kv_heads: 2,
+            head_dim: 128,
+            scale: 0.088,
+            window: None,
+        },
+        AttnShape {
+            n_heads: 4,
+            n_kv_heads: 1,
+            head_dim: 256,
+            scale: 0.0625,
+            window: Some(300),
+        },
+    ];
 
     /// smollm2-135m's attention: 9 query heads over 3 key/value heads of 64.
     const SMOLLM2: AttnShape = AttnShape {
