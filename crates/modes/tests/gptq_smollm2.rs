@@ -86,8 +86,14 @@ fn gptq_beats_round_to_nearest_on_held_out_text_and_is_cached() -> anyhow::Resul
         bpb(Precision::Q4Gptq)?,
     );
     eprintln!("bits per byte: f16 {f16:.4}, q4 {q4:.4}, q4-gptq {q4_gptq:.4}");
-    // Measured on this machine (the kernels are deterministic for a given CPU feature set).
-    for (got, want) in [(f16, 0.5513), (q4, 0.5993), (q4_gptq, 0.5725)] {
+    // Measured per instruction set (the kernels are deterministic for a given CPU feature set;
+    // the calibration's products round differently on AVX-512 and on AVX2: 0.5649 on an AMD
+    // EPYC).
+    let gptq_want = match switchyard_kernels::cpu::simd_level() {
+        switchyard_kernels::cpu::SimdLevel::Avx512 => 0.5725,
+        _ => 0.5649,
+    };
+    for (got, want) in [(f16, 0.5513), (q4, 0.5993), (q4_gptq, gptq_want)] {
         assert!((got - want).abs() < 0.005, "{got} vs {want}");
     }
     // Even this quarter-size calibration closes over half of q4's gap to f16 (measured: 56%).
