@@ -14,8 +14,8 @@
 use std::arch::x86_64::*;
 
 use super::{
-    empty_partial, f16_rows, f32_rows, in_place_rows, partial_len, runs_of, softmax_partial,
-    visible, AttnShape, InPlace, KvChunk, Run, SeqAttn, Spread, Task, TILE,
+    f16_rows, f32_rows, in_place_rows, partial_len, row_runs, softmax_partial, AttnShape, InPlace,
+    KvChunk, Run, SeqAttn, Spread, Task,
 };
 
 /// A K/V value type the tile reads in place, eight at a time.
@@ -96,19 +96,9 @@ unsafe fn row<'a, E: Lanes8 + 'a, const VECS: usize>(
     let row = shape.n_kv_heads * hd;
     let plen = partial_len(hd);
     let r = task.rows.start;
-    let v = visible(shape, seq.start + r);
-    let (lo, hi) = (
-        v.start.max(task.tile * TILE),
-        v.end.min((task.tile + 1) * TILE),
-    );
-    if lo >= hi {
-        for h in 0..heads {
-            empty_partial(out, h * plen);
-        }
+    let Some((n, runs)) = row_runs(seq, task, shape, out, rows) else {
         return;
-    }
-    let n = hi - lo;
-    let runs = runs_of(&seq.chunks, lo, hi, shape, rows);
+    };
     let q = &seq.q[r * heads * hd..(r + 1) * heads * hd];
     // The portable dot product adds its (empty) remainder's sum to the folded lanes.
     let tail = _mm_set1_ps(std::iter::empty::<f32>().sum());

@@ -721,6 +721,30 @@ fn runs_of<'a, E>(
     runs
 }
 
+/// The one query row of `task`: the number of positions it sees in its tile and their runs;
+/// `None`, with every head's partial written empty, where it sees none.
+#[cfg(target_arch = "x86_64")]
+fn row_runs<'a, E>(
+    seq: &SeqAttn<'a>,
+    task: &Task,
+    shape: &AttnShape,
+    out: &mut [f32],
+    rows: impl Fn(&KvChunk<'a>) -> (&'a [E], &'a [E]),
+) -> Option<(usize, Vec<Run<'a, E>>)> {
+    let v = visible(shape, seq.start + task.rows.start);
+    let (lo, hi) = (
+        v.start.max(task.tile * TILE),
+        v.end.min((task.tile + 1) * TILE),
+    );
+    if lo >= hi {
+        for h in 0..shape.n_heads {
+            empty_partial(out, h * partial_len(shape.head_dim));
+        }
+        return None;
+    }
+    Some((hi - lo, runs_of(&seq.chunks, lo, hi, shape, rows)))
+}
+
 /// The one query row of `task` over its tile: the arithmetic of [`tile_with`] on [`Avx512`]
 /// (each dot product summed in the same order, the same softmax, each output accumulated over
 /// positions in the same order), so a row's result does not depend on which path ran it.
@@ -744,19 +768,9 @@ unsafe fn row_tile_with<'a, E: KvLanes + 'a, const VECS: usize>(
     let row = shape.n_kv_heads * hd;
     let plen = partial_len(hd);
     let r = task.rows.start;
-    let v = visible(shape, seq.start + r);
-    let (lo, hi) = (
-        v.start.max(task.tile * TILE),
-        v.end.min((task.tile + 1) * TILE),
-    );
-    if lo >= hi {
-        for h in 0..heads {
-            empty_partial(out, h * plen);
-        }
+    let Some((n, runs)) = row_runs(seq, task, shape, out, rows) else {
         return;
-    }
-    let n = hi - lo;
-    let runs = runs_of(&seq.chunks, lo, hi, shape, rows);
+    };
     let q = &seq.q[r * heads * hd..(r + 1) * heads * hd];
     // Heads below `folded` sum their dot products as `dots_avx512` folds whole groups of four;
     // the rest as it reduces a remainder head alone.
