@@ -1,9 +1,10 @@
 //! The one-row tile (every decode step's) on AVX2: K and V rows read in place, f32 as they
 //! are and f16 widened eight at a time with F16C, in the arithmetic of the portable tile
-//! (`tile_with::<Portable>`, which serves prompt passes on this instruction set): each dot
-//! product as sixteen lane sums of separately rounded products, folded 8, 4, 2, 1; each
-//! output as `o + w · v`, position by position. So a decode row equals the same row in a
-//! prompt pass bit for bit here too, and the portable tile stays the reference.
+//! (`tile_with::<Portable>`): each dot product as sixteen lane sums of separately rounded
+//! products, folded 8, 4, 2, 1; each output as `o + w · v`, position by position. Prompt
+//! passes run `tile_with` on this file's `dot`, `axpy` and `widen_f16`, the same arithmetic
+//! again. So a decode row equals the same row in a prompt pass bit for bit here too, and the
+//! portable tile stays the reference.
 //!
 //! Before it, a decode row went through the portable tile, which widens every K and V row
 //! into a buffer and calls a dot product per head and position: on this shape (SmolLM2, 64
@@ -231,5 +232,103 @@ unsafe fn values<E: Lanes8, const S: usize>(
         for (c, v) in a.iter().enumerate() {
             _mm256_storeu_ps(o.add(c * 8), *v);
         }
+    }
+}
+
+/// `dst = src` widened (exactly), eight values at a time.
+///
+/// # Safety
+/// The CPU must have avx2 and f16c.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn widen_f16(src: &[half::f16], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let mut c = 0;
+    while c + 8 <= n {
+        _mm256_storeu_ps(
+            dst.as_mut_ptr().add(c),
+            half::f16::load8(src.as_ptr().add(c)),
+        );
+        c += 8;
+    }
+    for i in c..n {
+        dst[i] = src[i].to_f32();
+    }
+}
+
+/// `a · b` as the portable `dot` sums it: the products of values `16j + k` and `16j + k + 8`
+/// accumulate in lanes `k` and `k + 8` (rounded product, then added), the lanes fold 8, 4, 2,
+/// 1, and the remainder's products, summed in order, go first.
+///
+/// # Safety
+/// The CPU must have avx2.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let whole = n / 16 * 16;
+    let tail: f32 = a[whole..n]
+        .iter()
+        .zip(&b[whole..n])
+        .map(|(x, y)| x * y)
+        .sum();
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut c = 0;
+    while c < whole {
+        lo = _mm256_add_ps(
+            lo,
+            _mm256_mul_ps(_mm256_loadu_ps(pa.add(c)), _mm256_loadu_ps(pb.add(c))),
+        );
+        hi = _mm256_add_ps(
+            hi,
+            _mm256_mul_ps(
+                _mm256_loadu_ps(pa.add(c + 8)),
+                _mm256_loadu_ps(pb.add(c + 8)),
+            ),
+        );
+        c += 16;
+    }
+    let v = _mm256_add_ps(lo, hi);
+    let x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    let z = _mm_add_ss(y, _mm_shuffle_ps::<1>(y, y));
+    tail + _mm_cvtss_f32(z)
+}
+
+/// `out[h] = q_h · k_{kv[h]}` for every query head, each as [`dot`] sums it.
+///
+/// # Safety
+/// The CPU must have avx2.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn dots(q: &[f32], k: &[f32], kv: &[usize], hd: usize, out: &mut [f32]) {
+    for (h, o) in out.iter_mut().enumerate() {
+        let g = kv[h];
+        *o = dot(&q[h * hd..(h + 1) * hd], &k[g * hd..(g + 1) * hd]);
+    }
+}
+
+/// `y += w · x` as the portable `axpy` computes it (the product rounded, then added).
+///
+/// # Safety
+/// The CPU must have avx2.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn axpy(w: f32, x: &[f32], y: &mut [f32]) {
+    let n = x.len().min(y.len());
+    let wv = _mm256_set1_ps(w);
+    let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+    let mut c = 0;
+    while c + 8 <= n {
+        let o = _mm256_loadu_ps(py.add(c));
+        _mm256_storeu_ps(
+            py.add(c),
+            _mm256_add_ps(o, _mm256_mul_ps(wv, _mm256_loadu_ps(px.add(c)))),
+        );
+        c += 8;
+    }
+    for i in c..n {
+        y[i] += w * x[i];
     }
 }
