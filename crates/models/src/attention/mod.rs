@@ -1691,77 +1691,29 @@ mod tests {
     /// not depend on the instruction set below AVX-512, nor on the kernel that served it.
     #[test]
     fn decode_rows_on_avx2_equal_the_portable_tile() {
-        use half::f16;
-        if !switchyard_kernels::cpu::available_levels().contains(&SimdLevel::Avx2) {
-            return;
-        }
-        let mut rng = rand::rngs::StdRng::seed_from_u64(17);
-        for s in ZOO_SHAPES {
-            let row = s.n_kv_heads * s.head_dim;
-            let width = s.n_heads * s.head_dim;
-            let lens = [1usize, 5, 256, 257, 530];
-            let caches: Vec<(Vec<f32>, Vec<f32>)> =
-                lens.iter().map(|&n| realistic(&mut rng, n, &s)).collect();
-            let halves: Vec<(Vec<f16>, Vec<f16>)> = caches
-                .iter()
-                .map(|(k, v)| {
-                    let h = |x: &Vec<f32>| x.iter().map(|&x| f16::from_f32(x)).collect();
-                    (h(k), h(v))
-                })
-                .collect();
-            let q: Vec<f32> = (0..lens.len() * width)
-                .map(|_| rng.random_range(-1.0..1.0))
-                .collect();
-            for half in [false, true] {
-                let seqs = || -> Vec<SeqAttn<'_>> {
-                    lens.iter()
-                        .enumerate()
-                        .map(|(i, &n)| SeqAttn {
-                            q: &q[i * width..(i + 1) * width],
-                            start: n - 1,
-                            n: 1,
-                            chunks: if half {
-                                let (k, v) = &halves[i];
-                                k.chunks(16 * row)
-                                    .zip(v.chunks(16 * row))
-                                    .map(|(k, v)| KvChunk::f16(F16Rows { k, v }, k.len() / row))
-                                    .collect()
-                            } else {
-                                f32_chunks(&caches[i].0, &caches[i].1, &s, 16)
-                            },
-                        })
-                        .collect()
-                };
-                let want = attend_at(&seqs(), &s, SimdLevel::Scalar).expect("scalar");
-                let got = attend_at(&seqs(), &s, SimdLevel::Avx2).expect("avx2");
-                assert_eq!(got.len(), want.len());
-                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                    assert_eq!(
-                        a.to_bits(),
-                        b.to_bits(),
-                        "{s:?} f16 {half} value {i}: {a} vs {b}"
-                    );
-                }
-            }
-        }
+        let parts = [1usize, 5, 256, 257, 530].map(|n| (n - 1, 1));
+        avx2_equals_the_portable_tile(17, &parts);
     }
 
-    /// Prompt rows (several per sequence, from position 0 and as a later chunk, f16 and f32
-    /// caches, every zoo shape) on AVX2 equal the portable tile compiled without SIMD, bit for
-    /// bit, as decode rows do: so chunked prefill and decoding reproduce a one-shot prefill on
-    /// this instruction set too.
+    /// Prompt rows (several per sequence, from position 0 and as a later chunk) on AVX2 equal
+    /// the portable tile compiled without SIMD, bit for bit, as decode rows do: so chunked
+    /// prefill and decoding reproduce a one-shot prefill on this instruction set too.
     #[test]
     fn prompt_rows_on_avx2_equal_the_portable_tile() {
+        avx2_equals_the_portable_tile(23, &[(0, 7), (0, 300), (250, 40), (513, 3)]);
+    }
+
+    /// Sequences of `parts` (cached positions before the rows, rows), over f32 and f16 caches
+    /// of every zoo shape: attention on AVX2 equals the scalar portable tile bit for bit.
+    fn avx2_equals_the_portable_tile(seed: u64, parts: &[(usize, usize)]) {
         use half::f16;
         if !switchyard_kernels::cpu::available_levels().contains(&SimdLevel::Avx2) {
             return;
         }
-        let mut rng = rand::rngs::StdRng::seed_from_u64(23);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         for s in ZOO_SHAPES {
             let row = s.n_kv_heads * s.head_dim;
             let width = s.n_heads * s.head_dim;
-            // (cached positions before the rows, rows)
-            let parts = [(0usize, 7usize), (0, 300), (250, 40), (513, 3)];
             let caches: Vec<(Vec<f32>, Vec<f32>)> = parts
                 .iter()
                 .map(|&(start, n)| realistic(&mut rng, start + n, &s))
