@@ -6,11 +6,12 @@
 //! multiple-choice items and 4,096 tokens of text took 263 s that way (80 s with this kernel,
 //! same scores), which made f16, the baseline every mode is compared with, the slowest thing
 //! to measure. No crate offers an f16-weight, f32-accumulate product on AVX-512 (candle's own
-//! CPU f16 path is the one above), so it is written here.
+//! CPU f16 path is the one above), so it is written here, for AVX-512 and for AVX2 (F16C
+//! conversions, FMA).
 //!
 //! The arithmetic is that of an f16 layer: the input is rounded to f16, each output is one f32
 //! fused multiply-add chain over the inputs in order, `acc = fma(x[k], w[k], acc)`, and is
-//! rounded to f16 at the end. The scalar reference and the AVX-512 kernel run the same chain,
+//! rounded to f16 at the end. The scalar reference and the vector kernels run the same chain,
 //! so they agree bit for bit, and a row's output never depends on the other rows of the call
 //! (batch invariance). Against candle's f16 product the outputs differ by the order of the
 //! f32 sums only.
@@ -38,6 +39,23 @@ const TILE_ROWS: usize = 6;
 const PARALLEL_MIN_MACS: usize = 1 << 17;
 /// Tasks a parallel product is cut into per thread of the pool.
 const TASKS_PER_THREAD: usize = 8;
+
+/// `$run::<R>(args)` for the tile's row count `R` (1 to [`TILE_ROWS`]), so that each
+/// kernel's accumulators are a fixed array the compiler keeps in registers.
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_rows {
+    ($($run:ident)::+, $rows:expr, $($arg:expr),*) => {
+        match $rows {
+            6 => $($run)::+::<6>($($arg),*),
+            5 => $($run)::+::<5>($($arg),*),
+            4 => $($run)::+::<4>($($arg),*),
+            3 => $($run)::+::<3>($($arg),*),
+            2 => $($run)::+::<2>($($arg),*),
+            1 => $($run)::+::<1>($($arg),*),
+            _ => {}
+        }
+    };
+}
 
 /// An f16 weight matrix `[n, k]` in panel layout.
 #[derive(Debug, Clone)]
@@ -184,11 +202,21 @@ impl HalfWeight {
         rows: std::ops::Range<usize>,
         tile: &mut [[f32; PANEL]; TILE_ROWS],
     ) {
+        let (panel, k) = (self.panel(p), self.k);
+        assert!(panel.len() >= k * PANEL && x.len() >= rows.end * k);
         match level {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: simd_level() returns Avx512 only with avx512f.
-            SimdLevel::Avx512 => unsafe { avx512::tile(self.panel(p), self.k, x, rows, tile) },
-            _ => scalar_tile(self.panel(p), self.k, x, rows, tile),
+            // SAFETY: simd_level() returns Avx512 only with avx512f; the shapes are checked.
+            SimdLevel::Avx512 => unsafe {
+                by_rows!(avx512::run, rows.len(), panel, k, x, rows.start, tile)
+            },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: simd_level() returns Avx2 (and Avx512) only with avx2, fma and f16c; the
+            // shapes are checked.
+            SimdLevel::Avx2 => unsafe {
+                by_rows!(avx2::run, rows.len(), panel, k, x, rows.start, tile)
+            },
+            _ => scalar_tile(panel, k, x, rows, tile),
         }
     }
 }
@@ -224,39 +252,13 @@ mod avx512 {
 
     use super::{PANEL, TILE_ROWS};
 
-    /// [`super::scalar_tile`] with 16 output lanes per vector: the same chain per output.
-    ///
-    /// # Safety
-    /// The CPU must support avx512f.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn tile(
-        panel: &[f16],
-        k: usize,
-        x: &[f32],
-        rows: std::ops::Range<usize>,
-        tile: &mut [[f32; PANEL]; TILE_ROWS],
-    ) {
-        assert!(panel.len() >= k * PANEL && x.len() >= rows.end * k);
-        let n = rows.len();
-        let base = rows.start;
-        match n {
-            6 => run::<6>(panel, k, x, base, tile),
-            5 => run::<5>(panel, k, x, base, tile),
-            4 => run::<4>(panel, k, x, base, tile),
-            3 => run::<3>(panel, k, x, base, tile),
-            2 => run::<2>(panel, k, x, base, tile),
-            1 => run::<1>(panel, k, x, base, tile),
-            _ => {}
-        }
-    }
-
-    /// `R` rows from row `base`.
+    /// [`super::scalar_tile`] for `R` rows from row `base`, with 16 output lanes per vector:
+    /// the same chain per output.
     ///
     /// # Safety
     /// avx512f; `panel` holds `k * PANEL` values and `x` rows `base .. base + R` of `k`.
     #[target_feature(enable = "avx512f")]
-    #[inline]
-    unsafe fn run<const R: usize>(
+    pub unsafe fn run<const R: usize>(
         panel: &[f16],
         k: usize,
         x: &[f32],
@@ -276,6 +278,54 @@ mod avx512 {
             // Round to f16 and back (to nearest, ties to even, as `f16::from_f32`).
             let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(*a);
             _mm512_storeu_ps(tile[r].as_mut_ptr(), _mm512_cvtph_ps(h));
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    use super::{PANEL, TILE_ROWS};
+
+    /// [`super::scalar_tile`] for `R` rows from row `base`, with a panel's 16 outputs in two
+    /// 8-lane vectors: the same chain per output (AVX2's fused multiply-add rounds once, as
+    /// `f32::mul_add`). Six rows by two vectors are 12 accumulators, beside the two weight
+    /// vectors and the broadcast input: 15 of AVX2's 16 registers.
+    ///
+    /// # Safety
+    /// avx2, fma and f16c; `panel` holds `k * PANEL` values and `x` rows `base .. base + R`
+    /// of `k`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn run<const R: usize>(
+        panel: &[f16],
+        k: usize,
+        x: &[f32],
+        base: usize,
+        tile: &mut [[f32; PANEL]; TILE_ROWS],
+    ) {
+        let mut lo = [_mm256_setzero_ps(); R];
+        let mut hi = [_mm256_setzero_ps(); R];
+        let wp = panel.as_ptr() as *const __m128i;
+        let xp = x.as_ptr().add(base * k);
+        for kk in 0..k {
+            let w0 = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(2 * kk)));
+            let w1 = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(2 * kk + 1)));
+            for r in 0..R {
+                let xv = _mm256_set1_ps(*xp.add(r * k + kk));
+                lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);
+                hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
+            }
+        }
+        // (F16C's immediate has three bits: no exception-suppression flag.)
+        const ROUND: i32 = _MM_FROUND_TO_NEAREST_INT;
+        for r in 0..R {
+            // Round to f16 and back (to nearest, ties to even, as `f16::from_f32`).
+            let out = tile[r].as_mut_ptr();
+            _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm256_cvtps_ph::<ROUND>(lo[r])));
+            _mm256_storeu_ps(out.add(8), _mm256_cvtph_ps(_mm256_cvtps_ph::<ROUND>(hi[r])));
         }
     }
 }
@@ -305,21 +355,62 @@ mod tests {
     }
 
     #[test]
-    fn avx512_equals_the_scalar_reference_bit_for_bit() {
-        if simd_level() != SimdLevel::Avx512 {
-            return;
+    fn vector_kernels_equal_the_scalar_reference_bit_for_bit() {
+        // Every level this CPU runs (an AVX-512 CPU runs the AVX2 kernel too).
+        let levels: &[SimdLevel] = match simd_level() {
+            SimdLevel::Avx512 => &[SimdLevel::Avx2, SimdLevel::Avx512],
+            SimdLevel::Avx2 => &[SimdLevel::Avx2],
+            SimdLevel::Scalar => &[],
+        };
+        // n not a multiple of the panel, k odd, rows over and under a tile (every row count of
+        // a tile's kernel is reached: 13 rows are tiles of 6, 6 and 1, 11 of 6 and 5, ...).
+        let shapes = [
+            (37, 45, 1),
+            (37, 45, 7),
+            (64, 576, 13),
+            (16, 8, 6),
+            (48, 64, 11),
+            (33, 70, 10),
+            (40, 96, 9),
+        ];
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for &level in levels {
+            for (n, k, rows) in shapes {
+                for cancel in [false, true] {
+                    let (w, x) = if cancel {
+                        cancelling(n, k, rows)
+                    } else {
+                        (weight(n, k).1, values(rows * k, 3))
+                    };
+                    let mut a = vec![0f32; rows * n];
+                    let mut b = vec![0f32; rows * n];
+                    w.matmul_at(SimdLevel::Scalar, &x, rows, &mut a);
+                    w.matmul_at(level, &x, rows, &mut b);
+                    let at = format!("{level:?}: n {n} k {k} rows {rows} cancelling {cancel}");
+                    assert_eq!(bits(&a), bits(&b), "{at}");
+                }
+            }
         }
-        // n not a multiple of the panel, k odd, rows over and under a tile.
-        for (n, k, rows) in [(37, 45, 1), (37, 45, 7), (64, 576, 13), (16, 8, 6)] {
-            let (_, w) = weight(n, k);
-            let x = values(rows * k, 3);
-            let mut a = vec![0f32; rows * n];
-            let mut b = vec![0f32; rows * n];
-            w.matmul_at(SimdLevel::Scalar, &x, rows, &mut a);
-            w.matmul_at(SimdLevel::Avx512, &x, rows, &mut b);
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&a), bits(&b), "n {n} k {k} rows {rows}");
+    }
+
+    /// A product whose exact sums are zero: the second half of each input row is the first
+    /// half negated, and each weight row repeats its first half. What the f32 chain leaves is
+    /// its own rounding, which depends on the order of the sums; with random operands the
+    /// final rounding to f16 hides that order (a kernel summing in reverse passed them all,
+    /// and fails on these inputs in most outputs).
+    fn cancelling(n: usize, k: usize, rows: usize) -> (HalfWeight, Vec<f32>) {
+        let h = k / 2;
+        let (w16, _) = weight(n, k);
+        let w16: Vec<f16> = (0..n * k)
+            .map(|i| w16[i / k * k + (i % k) % h.max(1)])
+            .collect();
+        let mut x = values(rows * k, 3);
+        for row in x.chunks_exact_mut(k) {
+            for i in 0..h {
+                row[h + i] = -row[i];
+            }
         }
+        (HalfWeight::new(&w16, n, k).expect("pack"), x)
     }
 
     #[test]

@@ -3,8 +3,9 @@
 //! A `QLinear` owns one weight matrix and an optional bias. Which kernel runs is decided here,
 //! per tensor type: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K are repacked at load into this
 //! crate's panel layout and multiplied by [`quant`]'s integer kernels (AVX-512 VNNI, AVX2 or
-//! scalar, picked at run time); f16 weights use [`f16mm`]'s AVX-512 product where the CPU has
-//! it, other float weights candle's GEMM; other ggml types stay on candle's quantized kernels.
+//! scalar, picked at run time); f16 weights use [`f16mm`]'s AVX-512 or AVX2 product where the
+//! CPU has one, other float weights candle's GEMM; other ggml types stay on candle's quantized
+//! kernels.
 
 pub mod cpu;
 pub mod f16mm;
@@ -34,9 +35,9 @@ fn candle_only() -> bool {
     *CANDLE.get_or_init(|| std::env::var(KERNELS_ENV).is_ok_and(|v| v == "candle"))
 }
 
-/// Whether f16 weights use [`f16mm`] (AVX-512 CPUs) rather than candle's f16 GEMM.
+/// Whether f16 weights use [`f16mm`] (AVX-512 and AVX2 CPUs) rather than candle's f16 GEMM.
 fn half_kernel() -> bool {
-    cpu::simd_level() == cpu::SimdLevel::Avx512 && !candle_only()
+    cpu::simd_level() != cpu::SimdLevel::Scalar && !candle_only()
 }
 
 /// Bytes an `[n, k]` f16 weight takes on the kernel [`QLinear::dense`] picks for it.
