@@ -174,8 +174,8 @@ impl ModeServer {
         }
     }
 
-    /// `mode`'s engine with continuous batching and chunked prefill on, whatever the mode's own
-    /// settings: for scoring many generations at once. Greedy tokens do not depend on the
+    /// `mode`'s engine with continuous batching, chunked prefill and the prefix cache on,
+    /// whatever the mode's own settings: for scoring many generations at once. Greedy tokens do not depend on the
     /// batch (the engine's tests assert it bit for bit), so its answers are the mode's own.
     /// `None` for the speculative modes, which decode one sequence at a time.
     pub fn batched(mode: Mode, assets: &ModeAssets, budget: u64) -> Result<Option<EngineHandle>> {
@@ -196,6 +196,10 @@ impl ModeServer {
         // runs only in a step of its own, so such requests would still go one at a time.
         // Chunking does not change results either (engine tests, bit for bit).
         config.scheduler.chunked_prefill = true;
+        // GSM8K's prompts share their 8 shots (about 900 tokens): with the prefix cache they
+        // are computed once, not once per item, and a hit gives the cold logits (engine tests),
+        // so the answers are the same either way.
+        config.scheduler.prefix_caching = true;
         Ok(Some(EngineHandle::start(
             model,
             Arc::clone(&assets.tokenizer),

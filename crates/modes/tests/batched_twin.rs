@@ -1,6 +1,7 @@
 //! `ModeServer::batched`, which `bench modes` answers GSM8K on: on SmolLM2, its answers to
 //! GSM8K questions sent together equal, token for token, the mode's own engine answering them
-//! one at a time (f16, on the f16 kernel, and int8).
+//! one at a time (f16, on the f16 kernel, and int8), with the shared 8 shots read from the
+//! twin's prefix cache.
 
 use switchyard_engine::EngineRequest;
 use switchyard_eval::quality::{self, Pick};
@@ -43,8 +44,14 @@ fn gsm8k_answers_sent_together_equal_the_modes_own_one_at_a_time() -> anyhow::Re
             .collect::<anyhow::Result<Vec<_>>>()?;
         assert_eq!(got, want, "{mode}");
         assert!(want.iter().all(|t| t.len() == 24), "{mode}: {want:?}");
-        let c = twin.stats().wait()?.counters;
-        assert!(c.largest_batch >= 2, "{mode}");
+        let stats = twin.stats().wait()?;
+        assert!(stats.counters.largest_batch >= 2, "{mode}");
+        // The later questions read the 8 shots from the prefix cache.
+        assert!(
+            stats.prefix_cache_hit_tokens >= 512,
+            "{mode}: {} cached prompt tokens",
+            stats.prefix_cache_hit_tokens
+        );
     }
     // Speculative modes have no batched twin.
     assert!(ModeServer::batched(Mode::SelfSpeculative, &assets, budget)?.is_none());
