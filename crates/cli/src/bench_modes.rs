@@ -168,6 +168,14 @@ pub struct BenchRouterArgs {
     /// passes the gate for every class of the one-at-a-time table).
     #[arg(long, value_delimiter = ',')]
     trace_fixed: Option<Vec<Mode>>,
+    /// Other routers replayed on the trace, by kind: rules, fitted, learned, oracle
+    /// (comma-separated; default: all).
+    #[arg(long, value_delimiter = ',')]
+    trace_routers: Option<Vec<String>>,
+    /// Replays of the trace per router, in rounds with the order rotated, so that the
+    /// report can give each router's spread and round-by-round speedups.
+    #[arg(long, default_value_t = 1)]
+    trace_repeats: usize,
     #[command(flatten)]
     gate: GateArgs,
     #[command(flatten)]
@@ -243,7 +251,10 @@ pub fn run_router(a: BenchRouterArgs, _threads: usize) -> anyhow::Result<()> {
         mix: TraceClass::parse_mix(&a.trace_mix)?,
         seed: a.trace_seed,
         fixed: a.trace_fixed.clone().unwrap_or_default(),
+        routers: a.trace_routers.clone().unwrap_or_default(),
+        repeats: a.trace_repeats,
     };
+    trace.validate()?;
     let r = switchyard_modes::router_bench::run(
         &assets,
         &matrix,

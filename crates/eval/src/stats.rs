@@ -51,6 +51,37 @@ impl Percentiles {
     }
 }
 
+/// Two-sided 95 % critical value of Student's t with `df` degrees of freedom (`df` ≥ 1).
+///
+/// A table to three decimals for 1–30 degrees of freedom, then the normal value: the
+/// intervals it serves are over a handful of repeated runs, and `statrs` would be a
+/// dependency for this one lookup.
+pub fn t95(df: usize) -> f64 {
+    const T: [f64; 30] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042,
+    ];
+    match df {
+        0 => f64::NAN,
+        1..=30 => T[df - 1],
+        _ => 1.959_964,
+    }
+}
+
+/// The mean of `xs` and its 95 % interval (Student's t, `n − 1` degrees of freedom):
+/// `(mean, lo, hi)`. `None` for fewer than two values.
+pub fn mean_interval95(xs: &[f64]) -> Option<(f64, f64, f64)> {
+    let n = xs.len();
+    if n < 2 {
+        return None;
+    }
+    let mean = xs.iter().sum::<f64>() / n as f64;
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    let half = t95(n - 1) * (var / n as f64).sqrt();
+    Some((mean, mean - half, mean + half))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,5 +104,21 @@ mod tests {
         assert_eq!((p.mean, p.p50), (50.5, 50.5));
         assert!((p.p99 - 99.01).abs() < 1e-9);
         assert!(Percentiles::of(&[]).mean.is_nan());
+    }
+
+    #[test]
+    fn t_interval_on_fixed_data() {
+        assert_eq!(t95(2), 4.303);
+        assert_eq!(t95(29), 2.045);
+        assert_eq!(t95(500), 1.959_964);
+        assert!(t95(0).is_nan());
+        // Mean 2, sample variance 1, n 3: half width 4.303 · sqrt(1/3) = 2.484338.
+        let (m, lo, hi) = mean_interval95(&[1.0, 2.0, 3.0]).unwrap();
+        assert_eq!(m, 2.0);
+        assert!((lo - (2.0 - 2.484_338)).abs() < 1e-6, "{lo}");
+        assert!((hi - (2.0 + 2.484_338)).abs() < 1e-6, "{hi}");
+        assert!(mean_interval95(&[1.0]).is_none());
+        let (m, lo, hi) = mean_interval95(&[5.0, 5.0]).unwrap();
+        assert_eq!((m, lo, hi), (5.0, 5.0, 5.0));
     }
 }

@@ -26,7 +26,7 @@ use switchyard_router::{
 };
 
 use switchyard_eval::quality::{self, McTask, Pick};
-use switchyard_eval::stats::{median, percentile};
+use switchyard_eval::stats::{mean_interval95, median, percentile};
 
 use crate::bench::{workloads, ModesBenchOptions, ModesReport};
 use crate::router_trace::{self, TraceClass, TraceOptions, TraceRow};
@@ -201,13 +201,109 @@ pub struct TraceReport {
     pub requests: usize,
     pub rate: f64,
     pub mix: Vec<(TraceClass, f64)>,
+    /// Replays per router.
+    pub repeats: usize,
+    /// Every replay, round by round.
     pub rows: Vec<TraceRow>,
+    /// Per router, over its replays.
+    pub summary: Vec<ReplaySummary>,
+    /// Speedups measured round by round (best fixed over fitted, over the oracle; oracle
+    /// over fitted).
+    pub paired: Vec<PairedSpeedup>,
     /// Fixed modes not replayed: they fail the gate for some request class, or were not
     /// asked for.
     pub skipped_fixed: Vec<String>,
+    /// The fastest fixed mode (mean over its replays) with no violation or failure in any.
     pub best_fixed: Option<String>,
+    /// Its mean latency over the oracle's (geometric mean over rounds).
     pub headroom: Option<f64>,
+    /// Its mean latency over the fitted router's (geometric mean over rounds).
     pub fitted_vs_best_fixed: Option<f64>,
+    /// The oracle's mean latency over the fitted router's (geometric mean over rounds).
+    pub fitted_vs_oracle: Option<f64>,
+}
+
+/// One router's replays of the trace.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplaySummary {
+    pub router: String,
+    pub kind: String,
+    /// Each replay's mean latency (seconds), round by round.
+    pub means_s: Vec<f64>,
+    /// Their mean, and its 95 % interval over replays (Student's t; two replays or more).
+    pub mean_latency_s: f64,
+    pub interval_s: Option<(f64, f64)>,
+    /// Summed over replays.
+    pub violations: usize,
+    pub failed: usize,
+}
+
+/// `baseline`'s mean latency over `router`'s, taken in each round (both replayed the same
+/// trace in it), so that drift between rounds cancels: above 1, `router` is faster.
+#[derive(Debug, Clone, Serialize)]
+pub struct PairedSpeedup {
+    pub router: String,
+    pub baseline: String,
+    pub per_round: Vec<f64>,
+    /// Geometric mean over rounds, and its 95 % interval (t over the rounds' log ratios).
+    pub geometric_mean: f64,
+    pub interval: Option<(f64, f64)>,
+}
+
+/// Per router (in first-replay order), its replays summarized.
+pub fn summarize_replays(rows: &[TraceRow]) -> Vec<ReplaySummary> {
+    let mut out: Vec<ReplaySummary> = Vec::new();
+    for r in rows {
+        let i = match out.iter().position(|s| s.router == r.router) {
+            Some(i) => i,
+            None => {
+                out.push(ReplaySummary {
+                    router: r.router.clone(),
+                    kind: r.kind.clone(),
+                    means_s: Vec::new(),
+                    mean_latency_s: f64::NAN,
+                    interval_s: None,
+                    violations: 0,
+                    failed: 0,
+                });
+                out.len() - 1
+            }
+        };
+        let s = &mut out[i];
+        s.means_s.push(r.mean_latency_s);
+        s.violations += r.violations;
+        s.failed += r.failed;
+    }
+    for s in &mut out {
+        s.mean_latency_s = s.means_s.iter().sum::<f64>() / s.means_s.len() as f64;
+        s.interval_s = mean_interval95(&s.means_s).map(|(_, lo, hi)| (lo, hi));
+    }
+    out
+}
+
+/// `baseline`'s mean latency over `router`'s, round by round; `None` unless both replayed
+/// in the same rounds.
+pub fn paired_speedup(rows: &[TraceRow], router: &str, baseline: &str) -> Option<PairedSpeedup> {
+    let of = |name: &str| -> BTreeMap<usize, f64> {
+        rows.iter()
+            .filter(|r| r.router == name)
+            .map(|r| (r.replay, r.mean_latency_s))
+            .collect()
+    };
+    let (a, b) = (of(router), of(baseline));
+    if a.is_empty() || a.keys().ne(b.keys()) {
+        return None;
+    }
+    let per_round: Vec<f64> = a.iter().map(|(k, x)| b[k] / x).collect();
+    let logs: Vec<f64> = per_round.iter().map(|r| r.ln()).collect();
+    let geometric_mean = (logs.iter().sum::<f64>() / logs.len() as f64).exp();
+    Some(PairedSpeedup {
+        router: router.to_string(),
+        baseline: baseline.to_string(),
+        per_round,
+        geometric_mean,
+        interval: mean_interval95(&logs).map(|(_, lo, hi)| (lo.exp(), hi.exp())),
+    })
 }
 
 /// The fastest fixed row with no violation, and the headroom and fitted ratios against it:
@@ -463,6 +559,7 @@ pub fn run(
     }));
     let trace = match trace {
         Some(t) if t.requests > 0 => {
+            t.validate()?;
             progress(&format!(
                 "trace: {} requests at {} per second",
                 t.requests, t.rate
@@ -472,7 +569,6 @@ pub fn run(
             for (m, s) in std::mem::take(&mut servers) {
                 engines.insert(m, s.into_handle(assets, opts.budget)?);
             }
-            let mut trace_rows = Vec::new();
             // A fixed mode that fails the gate for some request of the one-at-a-time table
             // cannot be the best fixed mode: it is not replayed (the classes are the same).
             // Or, when the caller names the fixed modes to replay, every other one.
@@ -484,36 +580,79 @@ pub fn run(
                 .filter(|r| r.kind == "fixed" && (r.constraint_violations > 0 || !named(r)))
                 .map(|r| r.router.clone())
                 .collect();
-            for (label, kind, router, _) in &routers {
-                if skipped_fixed.contains(label) {
-                    continue;
+            let chosen: Vec<&Entry> = routers
+                .iter()
+                .filter(|(label, kind, ..)| !skipped_fixed.contains(label) && t.replays_kind(kind))
+                .collect();
+            let mut trace_rows = Vec::new();
+            for round in 0..t.repeats {
+                for i in 0..chosen.len() {
+                    let (label, kind, router, _) = chosen[(i + round) % chosen.len()];
+                    progress(&format!(
+                        "trace: replay {}/{}: router {label}",
+                        round + 1,
+                        t.repeats
+                    ));
+                    let mut row = router_trace::replay(
+                        &reqs,
+                        label,
+                        kind,
+                        router.as_ref(),
+                        &engines,
+                        &oracle,
+                    )?;
+                    row.replay = round;
+                    progress(&format!(
+                        "trace: {label}: mean {:.3} s, P99 {:.3} s, {} violations, {} failed",
+                        row.mean_latency_s, row.p99_latency_s, row.violations, row.failed
+                    ));
+                    trace_rows.push(row);
                 }
-                progress(&format!("trace: router {label}"));
-                let row =
-                    router_trace::replay(&reqs, label, kind, router.as_ref(), &engines, &oracle)?;
-                progress(&format!(
-                    "trace: {label}: mean {:.3} s, P99 {:.3} s, {} violations, {} failed",
-                    row.mean_latency_s, row.p99_latency_s, row.violations, row.failed
-                ));
-                trace_rows.push(row);
             }
-            let (best, headroom, fitted) = best_fixed_of(trace_rows.iter().map(|r| {
-                (
-                    r.router.as_str(),
-                    r.kind.as_str(),
-                    r.mean_latency_s,
-                    r.violations == 0 && r.failed == 0,
-                )
-            }));
+            let summary = summarize_replays(&trace_rows);
+            let best = summary
+                .iter()
+                .filter(|s| s.kind == "fixed" && s.violations == 0 && s.failed == 0)
+                .min_by(|a, b| a.mean_latency_s.total_cmp(&b.mean_latency_s))
+                .map(|s| s.router.clone());
+            let name_of = |kind: &str| {
+                summary
+                    .iter()
+                    .find(|s| s.kind == kind)
+                    .map(|s| s.router.clone())
+            };
+            let (fitted, oracle_name) = (name_of("fitted"), name_of("oracle"));
+            let pair = |r: &Option<String>, b: &Option<String>| match (r, b) {
+                (Some(r), Some(b)) => paired_speedup(&trace_rows, r, b),
+                _ => None,
+            };
+            let paired: Vec<PairedSpeedup> = [
+                pair(&fitted, &best),
+                pair(&oracle_name, &best),
+                pair(&fitted, &oracle_name),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            let geo = |r: &Option<String>, b: &Option<String>| {
+                paired
+                    .iter()
+                    .find(|p| Some(&p.router) == r.as_ref() && Some(&p.baseline) == b.as_ref())
+                    .map(|p| p.geometric_mean)
+            };
             Some(TraceReport {
                 requests: reqs.len(),
                 rate: t.rate,
                 mix: t.mix.clone(),
+                repeats: t.repeats,
+                headroom: geo(&oracle_name, &best),
+                fitted_vs_best_fixed: geo(&fitted, &best),
+                fitted_vs_oracle: geo(&fitted, &oracle_name),
                 rows: trace_rows,
+                summary,
+                paired,
                 skipped_fixed,
                 best_fixed: best,
-                headroom,
-                fitted_vs_best_fixed: fitted,
             })
         }
         _ => None,
@@ -751,14 +890,23 @@ impl TraceReport {
                 self.skipped_fixed.join(", ")
             )
         };
+        let repeats = if self.repeats > 1 {
+            format!(
+                " Each router replayed the trace {} times, in rounds: every round replays each router once, the order rotated by one per round.",
+                self.repeats
+            )
+        } else {
+            String::new()
+        };
         let mut md = format!(
-            "\n## Under traffic: {} requests, Poisson arrivals at {} per second ({mix})\n\nEvery mode's engine loaded at once; each request routed at its arrival (queue depth: requests then in flight) and served in its mode's engine.{skipped}\n\n| router | mean latency (s) | P50 (s) | P99 (s) | mean TTFT (s) | output tok/s | gate violations | failed | most in flight | modes chosen |\n|---|---|---|---|---|---|---|---|---|---|\n",
+            "\n## Under traffic: {} requests, Poisson arrivals at {} per second ({mix})\n\nEvery mode's engine loaded at once; each request routed at its arrival (queue depth: requests then in flight) and served in its mode's engine.{skipped}{repeats}\n\n| router | replay | mean latency (s) | P50 (s) | P99 (s) | mean TTFT (s) | output tok/s | gate violations | failed | most in flight | modes chosen |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
             self.requests, self.rate
         );
         for r in &self.rows {
             md.push_str(&format!(
-                "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {} | {} | {} | {} |\n",
+                "| {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.1} | {} | {} | {} | {} |\n",
                 r.router,
+                r.replay + 1,
                 r.mean_latency_s,
                 r.p50_latency_s,
                 r.p99_latency_s,
@@ -774,6 +922,44 @@ impl TraceReport {
                     .join(", "),
             ));
         }
+        if self.repeats > 1 {
+            md.push_str("\nOver the replays (the mean of their mean latencies, its 95 % interval by Student's t over replays):\n\n| router | replays | mean latency (s) [95 %] | each replay (s) | violations | failed |\n|---|---|---|---|---|---|\n");
+            for s in &self.summary {
+                md.push_str(&format!(
+                    "| {} | {} | {:.3} {} | {} | {} | {} |\n",
+                    s.router,
+                    s.means_s.len(),
+                    s.mean_latency_s,
+                    s.interval_s
+                        .map_or(String::new(), |(lo, hi)| format!("[{lo:.3}, {hi:.3}]")),
+                    s.means_s
+                        .iter()
+                        .map(|m| format!("{m:.3}"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    s.violations,
+                    s.failed,
+                ));
+            }
+        }
+        if !self.paired.is_empty() {
+            md.push_str("\nSpeedups taken round by round (the baseline's mean latency over the router's in the same round; geometric mean over rounds, its 95 % interval by t over the log ratios):\n\n| router | over | geometric mean [95 %] | per round |\n|---|---|---|---|\n");
+            for p in &self.paired {
+                md.push_str(&format!(
+                    "| {} | {} | {:.3}x {} | {} |\n",
+                    p.router,
+                    p.baseline,
+                    p.geometric_mean,
+                    p.interval
+                        .map_or(String::new(), |(lo, hi)| format!("[{lo:.3}, {hi:.3}]")),
+                    p.per_round
+                        .iter()
+                        .map(|r| format!("{r:.3}"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                ));
+            }
+        }
         match (&self.best_fixed, self.headroom) {
             (Some(best), Some(h)) => {
                 md.push_str(&format!(
@@ -782,16 +968,36 @@ impl TraceReport {
                 if let Some(f) = self.fitted_vs_best_fixed {
                     md.push_str(&format!(" The fitted router runs at **{f:.3}x** it."));
                 }
+                if let Some(o) = self.fitted_vs_oracle {
+                    md.push_str(&format!(" It runs at **{o:.3}x** the oracle."));
+                }
                 if h < 1.05 {
                     md.push_str(" Below 1.05x: under this traffic, per-request routing cannot pay over that one mode.");
                 }
                 md.push('\n');
             }
+            (Some(best), None) => md.push_str(&format!(
+                "\nBest fixed mode with no gate violation under traffic: **{best}** (the oracle was not replayed).\n"
+            )),
             _ => md.push_str("\nNo fixed mode served the trace without a gate violation.\n"),
         }
         md.push_str("\nPer class (mean / P50 / P99 latency, seconds):\n\n");
+        let labels: Vec<String> = self
+            .rows
+            .iter()
+            .map(|r| {
+                if self.repeats > 1 {
+                    format!("{} (replay {})", r.router, r.replay + 1)
+                } else {
+                    r.router.clone()
+                }
+            })
+            .collect();
         md.push_str(&class_table(
-            self.rows.iter().map(|r| (r.router.as_str(), &r.by_class)),
+            labels
+                .iter()
+                .zip(&self.rows)
+                .map(|(l, r)| (l.as_str(), &r.by_class)),
         ));
         md
     }
@@ -810,5 +1016,67 @@ mod tests {
         assert!(a
             .iter()
             .all(|f| f.prompt_tokens >= 16 && f.prompt_tokens < 2048));
+    }
+
+    fn row(router: &str, kind: &str, replay: usize, mean: f64, violations: usize) -> TraceRow {
+        TraceRow {
+            router: router.into(),
+            kind: kind.into(),
+            replay,
+            requests: 10,
+            failed: 0,
+            mean_latency_s: mean,
+            p50_latency_s: mean,
+            p99_latency_s: mean,
+            mean_ttft_s: 0.0,
+            output_tokens_per_s: 0.0,
+            duration_s: 0.0,
+            violations,
+            modes_chosen: BTreeMap::new(),
+            by_class: BTreeMap::new(),
+            max_in_flight: 0,
+        }
+    }
+
+    #[test]
+    fn replays_summarize_and_pair_round_by_round() {
+        // Three rounds; the machine slows down by half in round 2, for both routers.
+        let rows = vec![
+            row("fixed cb", "fixed", 0, 6.0, 0),
+            row("fitted", "fitted", 0, 2.0, 0),
+            row("fitted", "fitted", 1, 3.0, 1),
+            row("fixed cb", "fixed", 1, 9.0, 0),
+            row("fixed cb", "fixed", 2, 6.0, 0),
+            row("fitted", "fitted", 2, 2.4, 0),
+        ];
+        let s = summarize_replays(&rows);
+        assert_eq!(s.len(), 2);
+        assert_eq!(
+            (s[0].router.as_str(), s[0].means_s.clone()),
+            ("fixed cb", vec![6.0, 9.0, 6.0])
+        );
+        assert_eq!(s[0].mean_latency_s, 7.0);
+        // Sample variance 3, n 3: half width 4.303 · 1 = 4.303.
+        let (lo, hi) = s[0].interval_s.unwrap();
+        assert!(
+            (lo - 2.697).abs() < 1e-9 && (hi - 11.303).abs() < 1e-9,
+            "{lo} {hi}"
+        );
+        assert_eq!((s[1].violations, s[1].failed), (1, 0));
+
+        // Per round 3, 3, 2.5: the drift cancels within a round.
+        let p = paired_speedup(&rows, "fitted", "fixed cb").unwrap();
+        assert_eq!(p.per_round, vec![3.0, 3.0, 2.5]);
+        let want = (3.0f64.ln() * 2.0 + 2.5f64.ln()) / 3.0;
+        assert!((p.geometric_mean - want.exp()).abs() < 1e-12);
+        let (lo, hi) = p.interval.unwrap();
+        // Reference (python3): exp(mean ± 4.303 · sd / √3) of the log ratios.
+        assert!(
+            (lo - 2.173_478).abs() < 1e-5 && (hi - 3.666_906).abs() < 1e-5,
+            "{lo} {hi}"
+        );
+        // Rounds that do not match, or an unknown router: no pairing.
+        assert!(paired_speedup(&rows[..3], "fitted", "fixed cb").is_none());
+        assert!(paired_speedup(&rows, "oracle", "fixed cb").is_none());
     }
 }

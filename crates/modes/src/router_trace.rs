@@ -113,6 +113,41 @@ pub struct TraceOptions {
     pub seed: u64,
     /// Fixed modes to replay (empty: every one that passes the gate for every class).
     pub fixed: Vec<Mode>,
+    /// Other routers to replay, by kind (`rules`, `fitted`, `learned`, `oracle`; empty: all).
+    pub routers: Vec<String>,
+    /// Replays per router (at least 1). Round `r` replays the routers in turn, the order
+    /// rotated by `r`, so that no router always runs first or last on a drifting machine.
+    pub repeats: usize,
+}
+
+/// The kinds of router `TraceOptions::routers` names, besides fixed modes.
+pub const ROUTER_KINDS: [&str; 4] = ["rules", "fitted", "learned", "oracle"];
+
+impl TraceOptions {
+    /// Refuses zero repeats and unknown router kinds.
+    pub fn validate(&self) -> Result<()> {
+        if self.repeats == 0 {
+            return Err(ModesError::Invalid(
+                "trace repeats must be at least 1".into(),
+            ));
+        }
+        if let Some(k) = self
+            .routers
+            .iter()
+            .find(|k| !ROUTER_KINDS.contains(&k.as_str()))
+        {
+            return Err(ModesError::Invalid(format!(
+                "unknown router kind {k:?}; known: {} (fixed modes: --trace-fixed)",
+                ROUTER_KINDS.join(", ")
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether a router of this kind is replayed (fixed modes are chosen elsewhere).
+    pub fn replays_kind(&self, kind: &str) -> bool {
+        kind == "fixed" || self.routers.is_empty() || self.routers.iter().any(|k| k == kind)
+    }
 }
 
 /// One request of the trace.
@@ -231,6 +266,8 @@ pub fn build(assets: &ModeAssets, opts: &TraceOptions) -> Result<Vec<TraceReques
 pub struct TraceRow {
     pub router: String,
     pub kind: String,
+    /// Which round of the replays (0-based).
+    pub replay: usize,
     pub requests: usize,
     pub failed: usize,
     pub mean_latency_s: f64,
@@ -338,6 +375,7 @@ pub fn replay(
     Ok(TraceRow {
         router: label.to_string(),
         kind: kind.to_string(),
+        replay: 0,
         requests: trace.len(),
         failed,
         mean_latency_s: mean(&latencies),
@@ -379,5 +417,30 @@ mod tests {
         assert!(TraceClass::parse_mix("chat=0").is_err());
         assert!(TraceClass::parse_mix("chat").is_err());
         assert!(TraceClass::parse_mix("chat=-1").is_err());
+    }
+
+    #[test]
+    fn trace_options_refuse_zero_repeats_and_unknown_kinds() {
+        let mut o = TraceOptions {
+            requests: 10,
+            rate: 1.0,
+            mix: TraceClass::parse_mix(DEFAULT_MIX).unwrap(),
+            seed: 1,
+            fixed: Vec::new(),
+            routers: vec!["fitted".into(), "oracle".into()],
+            repeats: 3,
+        };
+        o.validate().unwrap();
+        assert!(o.replays_kind("fixed") && o.replays_kind("oracle"));
+        assert!(!o.replays_kind("learned") && !o.replays_kind("rules"));
+        o.routers.push("tree".into());
+        assert_eq!(
+            o.validate().unwrap_err().to_string(),
+            "unknown router kind \"tree\"; known: rules, fitted, learned, oracle (fixed modes: --trace-fixed)"
+        );
+        o.routers.clear();
+        assert!(o.replays_kind("learned"));
+        o.repeats = 0;
+        assert!(o.validate().is_err());
     }
 }

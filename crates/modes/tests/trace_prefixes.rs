@@ -15,6 +15,8 @@ fn trace_requests_see_the_prefixes_earlier_ones_left() -> anyhow::Result<()> {
         mix: TraceClass::parse_mix("math=0.4,shared-prefix=0.3,chat=0.3")?,
         seed: 3,
         fixed: Vec::new(),
+        routers: Vec::new(),
+        repeats: 1,
     };
     let trace = router_trace::build(&assets, &opts)?;
     let classifier = RuleConfig::default();
