@@ -51,7 +51,7 @@ enum Command {
     Eval(eval::EvalCommand),
     /// Measure speed.
     #[command(subcommand)]
-    Bench(bench::BenchCommand),
+    Bench(Box<bench::BenchCommand>),
     /// Fit the ModeSwitch router's policy to a measured mode matrix.
     #[command(subcommand)]
     Router(router::RouterCommand),
@@ -77,7 +77,7 @@ fn main() {
         Command::Generate(a) => generate::run(a),
         Command::Eval(c) => eval::run(c),
         Command::Router(c) => router::run(c),
-        Command::Bench(c) => bench::run(c, threads),
+        Command::Bench(c) => bench::run(*c, threads),
         Command::Serve(a) => serve::run(a),
         Command::Calibrate(a) => exits::run_calibrate(a),
         Command::Profile(a) => profile::run(a, threads),

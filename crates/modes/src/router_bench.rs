@@ -245,6 +245,8 @@ pub struct PairedSpeedup {
     pub router: String,
     pub baseline: String,
     pub per_round: Vec<f64>,
+    /// Per round, the requests the two routed to different modes.
+    pub differing_decisions: Vec<usize>,
     /// Geometric mean over rounds, and its 95 % interval (t over the rounds' log ratios).
     pub geometric_mean: f64,
     pub interval: Option<(f64, f64)>,
@@ -284,23 +286,37 @@ pub fn summarize_replays(rows: &[TraceRow]) -> Vec<ReplaySummary> {
 /// `baseline`'s mean latency over `router`'s, round by round; `None` unless both replayed
 /// in the same rounds.
 pub fn paired_speedup(rows: &[TraceRow], router: &str, baseline: &str) -> Option<PairedSpeedup> {
-    let of = |name: &str| -> BTreeMap<usize, f64> {
+    let of = |name: &str| -> BTreeMap<usize, &TraceRow> {
         rows.iter()
             .filter(|r| r.router == name)
-            .map(|r| (r.replay, r.mean_latency_s))
+            .map(|r| (r.replay, r))
             .collect()
     };
     let (a, b) = (of(router), of(baseline));
     if a.is_empty() || a.keys().ne(b.keys()) {
         return None;
     }
-    let per_round: Vec<f64> = a.iter().map(|(k, x)| b[k] / x).collect();
+    let per_round: Vec<f64> = a
+        .iter()
+        .map(|(k, x)| b[k].mean_latency_s / x.mean_latency_s)
+        .collect();
+    let differing_decisions = a
+        .iter()
+        .map(|(k, x)| {
+            x.decisions
+                .iter()
+                .zip(&b[k].decisions)
+                .filter(|(p, q)| p != q)
+                .count()
+        })
+        .collect();
     let logs: Vec<f64> = per_round.iter().map(|r| r.ln()).collect();
     let geometric_mean = (logs.iter().sum::<f64>() / logs.len() as f64).exp();
     Some(PairedSpeedup {
         router: router.to_string(),
         baseline: baseline.to_string(),
         per_round,
+        differing_decisions,
         geometric_mean,
         interval: mean_interval95(&logs).map(|(_, lo, hi)| (lo.exp(), hi.exp())),
     })
@@ -943,10 +959,10 @@ impl TraceReport {
             }
         }
         if !self.paired.is_empty() {
-            md.push_str("\nSpeedups taken round by round (the baseline's mean latency over the router's in the same round; geometric mean over rounds, its 95 % interval by t over the log ratios):\n\n| router | over | geometric mean [95 %] | per round |\n|---|---|---|---|\n");
+            md.push_str("\nSpeedups taken round by round (the baseline's mean latency over the router's in the same round; geometric mean over rounds, its 95 % interval by t over the log ratios):\n\n| router | over | geometric mean [95 %] | per round | requests routed differently, per round |\n|---|---|---|---|---|\n");
             for p in &self.paired {
                 md.push_str(&format!(
-                    "| {} | {} | {:.3}x {} | {} |\n",
+                    "| {} | {} | {:.3}x {} | {} | {} |\n",
                     p.router,
                     p.baseline,
                     p.geometric_mean,
@@ -955,6 +971,11 @@ impl TraceReport {
                     p.per_round
                         .iter()
                         .map(|r| format!("{r:.3}"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    p.differing_decisions
+                        .iter()
+                        .map(ToString::to_string)
                         .collect::<Vec<_>>()
                         .join(", "),
                 ));
@@ -1019,7 +1040,12 @@ mod tests {
     }
 
     fn row(router: &str, kind: &str, replay: usize, mean: f64, violations: usize) -> TraceRow {
+        let mut decisions = vec![Mode::Int8; 4];
+        if kind == "fixed" {
+            decisions[3] = Mode::ContinuousBatching;
+        }
         TraceRow {
+            decisions,
             router: router.into(),
             kind: kind.into(),
             replay,
@@ -1067,6 +1093,7 @@ mod tests {
         // Per round 3, 3, 2.5: the drift cancels within a round.
         let p = paired_speedup(&rows, "fitted", "fixed cb").unwrap();
         assert_eq!(p.per_round, vec![3.0, 3.0, 2.5]);
+        assert_eq!(p.differing_decisions, vec![1, 1, 1]);
         let want = (3.0f64.ln() * 2.0 + 2.5f64.ln()) / 3.0;
         assert!((p.geometric_mean - want.exp()).abs() < 1e-12);
         let (lo, hi) = p.interval.unwrap();

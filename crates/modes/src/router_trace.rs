@@ -280,6 +280,8 @@ pub struct TraceRow {
     /// Requests served in a mode that fails the gate or a constraint for their class.
     pub violations: usize,
     pub modes_chosen: BTreeMap<String, usize>,
+    /// Each request's mode, in trace order (what two routers' replays are compared by).
+    pub decisions: Vec<Mode>,
     /// Per trace class: (requests, mean, P50, P99 latency in seconds).
     pub by_class: BTreeMap<String, (usize, f64, f64, f64)>,
     /// Largest number of requests in flight at an arrival.
@@ -307,6 +309,7 @@ pub fn replay(
     let mut violations = 0;
     let mut refused = 0;
     let mut chosen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut decisions = Vec::with_capacity(trace.len());
     for r in trace {
         let due = Duration::from_secs_f64(r.at_s);
         if let Some(wait) = due.checked_sub(start.elapsed()) {
@@ -317,6 +320,7 @@ pub fn replay(
         let features = r.features(depth);
         let d = router.route_among(&features, available);
         *chosen.entry(d.mode.to_string()).or_default() += 1;
+        decisions.push(d.mode);
         if !oracle.admits_request(&features, d.mode) || d.fallback {
             violations += 1;
         }
@@ -386,6 +390,7 @@ pub fn replay(
         duration_s: duration,
         violations,
         modes_chosen: chosen,
+        decisions,
         by_class: per_class
             .into_iter()
             .map(|(c, ls)| {
