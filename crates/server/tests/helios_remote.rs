@@ -159,7 +159,9 @@ async fn a_remote_candidate_without_a_tokenizer_or_server_is_reported() {
     );
 
     // A server that is not there: the request evaluated on it finds it unreachable before
-    // any answer and is served by the local candidate; the remote one is skipped after that.
+    // any answer and is served by the local candidate (or the health check, a second after
+    // start-up, found it first on a slow start, and the request never went to it); the remote
+    // one is skipped after that.
     manifest(&dir, "http://127.0.0.1:9");
     let s = start(&config(&path)).await;
     let (st, headers, body) = post(&s.base, "/v1/completions", request("helios"), JSON, None).await;
@@ -167,7 +169,10 @@ async fn a_remote_candidate_without_a_tokenizer_or_server_is_reported() {
     assert_eq!(served_by(&headers), Some(MODEL));
     assert_eq!(helios_state(&s.base).await, "unreachable");
     let counters = common::admin_stats(&s.base).await["helios"]["counters"].clone();
-    assert_eq!(counters["retried"], 1, "{counters}");
+    assert!(
+        matches!(counters["retried"].as_u64(), Some(0 | 1)),
+        "{counters}"
+    );
     let (st, _, _) = post(&s.base, "/v1/completions", request(MODEL), JSON, None).await;
     assert_eq!(st, 200);
 }
