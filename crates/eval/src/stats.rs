@@ -51,6 +51,18 @@ impl Percentiles {
     }
 }
 
+/// The mean of `xs` and its standard error (sample standard deviation over √n); `None` for
+/// fewer than two values.
+pub fn mean_and_se(xs: &[f64]) -> Option<(f64, f64)> {
+    let n = xs.len();
+    if n < 2 {
+        return None;
+    }
+    let mean = xs.iter().sum::<f64>() / n as f64;
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    Some((mean, (var / n as f64).sqrt()))
+}
+
 /// Two-sided 95 % critical value of Student's t with `df` degrees of freedom (`df` ≥ 1).
 ///
 /// A table to three decimals for 1–30 degrees of freedom, then the normal value: the
@@ -65,20 +77,15 @@ pub fn t95(df: usize) -> f64 {
     match df {
         0 => f64::NAN,
         1..=30 => T[df - 1],
-        _ => 1.959_964,
+        _ => crate::quality::Z95,
     }
 }
 
 /// The mean of `xs` and its 95 % interval (Student's t, `n − 1` degrees of freedom):
 /// `(mean, lo, hi)`. `None` for fewer than two values.
 pub fn mean_interval95(xs: &[f64]) -> Option<(f64, f64, f64)> {
-    let n = xs.len();
-    if n < 2 {
-        return None;
-    }
-    let mean = xs.iter().sum::<f64>() / n as f64;
-    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
-    let half = t95(n - 1) * (var / n as f64).sqrt();
+    let (mean, se) = mean_and_se(xs)?;
+    let half = t95(xs.len() - 1) * se;
     Some((mean, mean - half, mean + half))
 }
 
@@ -110,7 +117,7 @@ mod tests {
     fn t_interval_on_fixed_data() {
         assert_eq!(t95(2), 4.303);
         assert_eq!(t95(29), 2.045);
-        assert_eq!(t95(500), 1.959_964);
+        assert_eq!(t95(500), crate::quality::Z95);
         assert!(t95(0).is_nan());
         // Mean 2, sample variance 1, n 3: half width 4.303 · sqrt(1/3) = 2.484338.
         let (m, lo, hi) = mean_interval95(&[1.0, 2.0, 3.0]).unwrap();

@@ -551,13 +551,8 @@ fn run_cell(
 
 /// Half-width of the 95% interval of the mean of `xs`, relative to the mean.
 pub fn mean_ci95_rel(xs: &[f64]) -> Option<f64> {
-    let n = xs.len();
-    if n < 2 {
-        return None;
-    }
-    let mean = xs.iter().sum::<f64>() / n as f64;
-    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
-    (mean > 0.0).then(|| quality::Z95 * (var / n as f64).sqrt() / mean)
+    let (mean, se) = switchyard_eval::stats::mean_and_se(xs)?;
+    (mean > 0.0).then(|| quality::Z95 * se / mean)
 }
 
 /// Memory the mode actually uses: weights, KV blocks holding positions (the pool itself is

@@ -626,11 +626,14 @@ pub fn run(
                 }
             }
             let summary = summarize_replays(&trace_rows);
-            let best = summary
-                .iter()
-                .filter(|s| s.kind == "fixed" && s.violations == 0 && s.failed == 0)
-                .min_by(|a, b| a.mean_latency_s.total_cmp(&b.mean_latency_s))
-                .map(|s| s.router.clone());
+            let (best, ..) = best_fixed_of(summary.iter().map(|s| {
+                (
+                    s.router.as_str(),
+                    s.kind.as_str(),
+                    s.mean_latency_s,
+                    s.violations == 0 && s.failed == 0,
+                )
+            }));
             let name_of = |kind: &str| {
                 summary
                     .iter()
@@ -638,35 +641,27 @@ pub fn run(
                     .map(|s| s.router.clone())
             };
             let (fitted, oracle_name) = (name_of("fitted"), name_of("oracle"));
-            let pair = |r: &Option<String>, b: &Option<String>| match (r, b) {
-                (Some(r), Some(b)) => paired_speedup(&trace_rows, r, b),
-                _ => None,
+            let pair = |r: &Option<String>, b: &Option<String>| -> Option<PairedSpeedup> {
+                paired_speedup(&trace_rows, r.as_deref()?, b.as_deref()?)
             };
-            let paired: Vec<PairedSpeedup> = [
-                pair(&fitted, &best),
-                pair(&oracle_name, &best),
-                pair(&fitted, &oracle_name),
-            ]
-            .into_iter()
-            .flatten()
-            .collect();
-            let geo = |r: &Option<String>, b: &Option<String>| {
-                paired
-                    .iter()
-                    .find(|p| Some(&p.router) == r.as_ref() && Some(&p.baseline) == b.as_ref())
-                    .map(|p| p.geometric_mean)
-            };
+            let fitted_vs_best = pair(&fitted, &best);
+            let oracle_vs_best = pair(&oracle_name, &best);
+            let fitted_vs_oracle = pair(&fitted, &oracle_name);
+            let geo = |p: &Option<PairedSpeedup>| p.as_ref().map(|p| p.geometric_mean);
             Some(TraceReport {
                 requests: reqs.len(),
                 rate: t.rate,
                 mix: t.mix.clone(),
                 repeats: t.repeats,
-                headroom: geo(&oracle_name, &best),
-                fitted_vs_best_fixed: geo(&fitted, &best),
-                fitted_vs_oracle: geo(&fitted, &oracle_name),
+                headroom: geo(&oracle_vs_best),
+                fitted_vs_best_fixed: geo(&fitted_vs_best),
+                fitted_vs_oracle: geo(&fitted_vs_oracle),
+                paired: [fitted_vs_best, oracle_vs_best, fitted_vs_oracle]
+                    .into_iter()
+                    .flatten()
+                    .collect(),
                 rows: trace_rows,
                 summary,
-                paired,
                 skipped_fixed,
                 best_fixed: best,
             })
@@ -858,6 +853,16 @@ impl RouterReport {
     }
 }
 
+/// An interval as `[lo, hi]` to three decimals; empty for none.
+fn bracketed(interval: Option<(f64, f64)>) -> String {
+    interval.map_or(String::new(), |(lo, hi)| format!("[{lo:.3}, {hi:.3}]"))
+}
+
+/// `xs` formatted by `f`, comma-separated.
+fn joined<T>(xs: &[T], f: impl FnMut(&T) -> String) -> String {
+    xs.iter().map(f).collect::<Vec<_>>().join(", ")
+}
+
 /// Latency per class, (requests, mean, P50, P99) per row: a Markdown table with the classes
 /// of the first row as columns.
 fn class_table<'r>(
@@ -946,13 +951,8 @@ impl TraceReport {
                     s.router,
                     s.means_s.len(),
                     s.mean_latency_s,
-                    s.interval_s
-                        .map_or(String::new(), |(lo, hi)| format!("[{lo:.3}, {hi:.3}]")),
-                    s.means_s
-                        .iter()
-                        .map(|m| format!("{m:.3}"))
-                        .collect::<Vec<_>>()
-                        .join(", "),
+                    bracketed(s.interval_s),
+                    joined(&s.means_s, |m| format!("{m:.3}")),
                     s.violations,
                     s.failed,
                 ));
@@ -966,18 +966,9 @@ impl TraceReport {
                     p.router,
                     p.baseline,
                     p.geometric_mean,
-                    p.interval
-                        .map_or(String::new(), |(lo, hi)| format!("[{lo:.3}, {hi:.3}]")),
-                    p.per_round
-                        .iter()
-                        .map(|r| format!("{r:.3}"))
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                    p.differing_decisions
-                        .iter()
-                        .map(ToString::to_string)
-                        .collect::<Vec<_>>()
-                        .join(", "),
+                    bracketed(p.interval),
+                    joined(&p.per_round, |r| format!("{r:.3}")),
+                    joined(&p.differing_decisions, ToString::to_string),
                 ));
             }
         }

@@ -52,12 +52,10 @@ pub fn paired_diff95(a: &[bool], b: &[bool]) -> (f64, f64, f64) {
         .zip(b)
         .map(|(&x, &y)| f64::from(u8::from(x)) - f64::from(u8::from(y)))
         .collect();
-    let mean = d.iter().sum::<f64>() / n as f64;
-    if n < 2 {
-        return (100.0 * mean, f64::NAN, f64::NAN);
-    }
-    let var = d.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
-    let half = Z95 * (var / n as f64).sqrt();
+    let Some((mean, se)) = crate::stats::mean_and_se(&d) else {
+        return (100.0 * d[0], f64::NAN, f64::NAN);
+    };
+    let half = Z95 * se;
     (100.0 * mean, 100.0 * (mean - half), 100.0 * (mean + half))
 }
 
