@@ -94,6 +94,11 @@ pub struct BenchModesArgs {
     /// output error on further calibration documents that no Hessian is fitted to.
     #[arg(long)]
     gptq_fixed_order: bool,
+    /// Measure only the latency cells and take every mode's quality (bits per byte,
+    /// accuracies, paired intervals) from FILE, a report of this command for the same model:
+    /// to fit a router to another machine's speeds without measuring quality again.
+    #[arg(long, value_name = "FILE")]
+    quality_from: Option<PathBuf>,
     /// Write the report as JSON to FILE (stdout when omitted).
     #[arg(long, value_name = "FILE", num_args = 0..=1)]
     json: Option<Option<PathBuf>>,
@@ -115,15 +120,16 @@ pub fn run(a: BenchModesArgs, threads: usize) -> anyhow::Result<()> {
         modes.insert(0, Mode::F16);
     }
     let r: ModesReport = match &a.render {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            serde_json::from_str(&text)
-                .with_context(|| format!("{} is not a bench modes report", path.display()))?
-        }
+        Some(path) => read_report(path)?,
         None => {
+            let mut opts = options(&a, modes.clone());
+            if let Some(path) = &a.quality_from {
+                opts.quality_from = Some(bench::BorrowedQuality {
+                    source: path.display().to_string(),
+                    report: read_report(path)?,
+                });
+            }
             let assets = assets(&a, &modes)?;
-            let opts = options(&a, modes);
             let started = std::time::Instant::now();
             bench::run(&assets, threads, &opts, |m| {
                 eprintln!("[{:>6.0} s] {m}", started.elapsed().as_secs_f64())
@@ -233,10 +239,10 @@ impl GateArgs {
 /// `switchyard bench router`: the mixed workload under fixed f16, rules, learned routers
 /// and the oracle.
 pub fn run_router(a: BenchRouterArgs, _threads: usize) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&a.matrix)
-        .with_context(|| format!("reading {}", a.matrix.display()))?;
-    let matrix: ModesReport = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not a bench modes report", a.matrix.display()))?;
+    if a.modes.quality_from.is_some() {
+        anyhow::bail!("--quality-from belongs to `bench modes`: `bench router` takes every mode's quality from --matrix");
+    }
+    let matrix = read_report(&a.matrix)?;
     let modes: Vec<Mode> = matrix.quality.iter().map(|q| q.mode).collect();
     let assets = assets(&a.modes, &modes)?;
     let opts = options(&a.modes, modes);
@@ -272,6 +278,13 @@ pub fn run_router(a: BenchRouterArgs, _threads: usize) -> anyhow::Result<()> {
     write_json(&a.modes.json, &r)
 }
 
+fn read_report(path: &std::path::Path) -> anyhow::Result<ModesReport> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a bench modes report", path.display()))
+}
+
 fn options(a: &BenchModesArgs, modes: Vec<Mode>) -> ModesBenchOptions {
     ModesBenchOptions {
         modes,
@@ -283,6 +296,7 @@ fn options(a: &BenchModesArgs, modes: Vec<Mode>) -> ModesBenchOptions {
         gsm8k_items: a.gsm8k_items,
         bpb_tokens: a.bpb_tokens,
         only: a.workloads.clone().unwrap_or_default(),
+        quality_from: None,
     }
 }
 

@@ -918,6 +918,14 @@ impl EngineCore {
         })
     }
 
+    /// Empties the prefix cache: blocks only the cache held go back to the pool (blocks that
+    /// running sequences share go back when they finish), so that the next request of a
+    /// prompt seen before pays its prefill again, as on a fresh engine. Returns the blocks
+    /// freed now.
+    pub fn clear_prefix_cache(&mut self) -> usize {
+        self.scheduler.clear_prefix_cache()
+    }
+
     /// Whether the engine is parked (see [`EngineCore::park`]).
     pub fn is_parked(&self) -> bool {
         !self.model.io_resident()

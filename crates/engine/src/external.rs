@@ -79,6 +79,9 @@ fn serve(mut backend: Box<dyn RequestBackend>, shape: Shape, rx: &mpsc::Receiver
             | Command::Park { reply } => {
                 let _ = reply.send(Ok(LoadReport::default()));
             }
+            Command::ClearPrefixCache { reply } => {
+                let _ = reply.send(Ok(0));
+            }
             Command::SetProbe { .. } => {}
             Command::Stats { reply } => {
                 let _ = reply.send(Ok(stats_of(&shape, backend.running(), 0)));

@@ -130,6 +130,9 @@ pub(crate) enum Command {
     Park {
         reply: oneshot::Sender<Result<LoadReport>>,
     },
+    ClearPrefixCache {
+        reply: oneshot::Sender<Result<usize>>,
+    },
     DropLayers {
         keep: usize,
         reply: oneshot::Sender<Result<LoadReport>>,
@@ -405,6 +408,12 @@ impl EngineHandle {
         self.ask(|reply| Command::Stats { reply })
     }
 
+    /// Empties the prefix cache (see [`crate::EngineCore::clear_prefix_cache`]); the reply is
+    /// the number of blocks that went back to the pool. Engines without one reply 0.
+    pub fn clear_prefix_cache(&self) -> Pending<usize> {
+        self.ask(|reply| Command::ClearPrefixCache { reply })
+    }
+
     /// Aborts every request and stops the engine thread.
     pub fn shutdown(&self) -> Pending<()> {
         self.ask(|reply| Command::Shutdown { reply })
@@ -542,6 +551,9 @@ impl Server<'_> {
             }
             Command::Park { reply } => {
                 let _ = reply.send(self.core.park());
+            }
+            Command::ClearPrefixCache { reply } => {
+                let _ = reply.send(Ok(self.core.clear_prefix_cache()));
             }
             Command::SetProbe { probe } => self.core.set_probe(probe),
             Command::Stats { reply } => {

@@ -241,6 +241,9 @@ impl Sequential {
             | Command::Park { reply } => {
                 let _ = reply.send(Err(unsupported("loading or dropping layers")));
             }
+            Command::ClearPrefixCache { reply } => {
+                let _ = reply.send(Ok(0));
+            }
             Command::SetProbe { .. } => {}
             Command::Stats { reply } => {
                 let _ = reply.send(Ok(stats_of(

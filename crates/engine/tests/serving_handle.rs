@@ -151,6 +151,55 @@ fn streams_text_honours_stop_strings_aborts_and_clients_that_leave() {
 }
 
 #[test]
+fn clearing_the_prefix_cache_makes_a_repeated_prompt_pay_its_prefill_again() {
+    let src = source();
+    let h = start(&src, None, 1 << 30);
+    let tok = Arc::clone(&h.info().tokenizer);
+    // 45 tokens: two full 16-token blocks to share, and a tail of 13.
+    let mut prompt = tok
+        .encode(
+            "A long prompt about rivers, mountains and the weather of the northern coast, told slowly so that it runs to many tokens. \
+             The rivers run north in spring, the mountains hold their snow until June, and the coast sees fog on most mornings of the year.",
+            true,
+            false,
+        )
+        .expect("encode");
+    assert!(prompt.len() >= 45, "{}", prompt.len());
+    prompt.truncate(45);
+    let run = || {
+        h.add_request(EngineRequest {
+            prompt: prompt.clone(),
+            params: SamplingParams::greedy(8),
+        })
+        .expect("add")
+        .wait()
+        .expect("completion")
+    };
+    let first = run();
+    assert_eq!(first.cached_tokens, 0);
+    let again = run();
+    assert_eq!(again.cached_tokens, 32);
+    assert_eq!(again.token_ids, first.token_ids);
+
+    let held = h.stats().wait().expect("stats");
+    assert!(held.prefix_cached_blocks > 0);
+    assert_eq!(held.kv_blocks_used, held.prefix_cached_blocks);
+    let freed = h.clear_prefix_cache().wait().expect("clear");
+    assert_eq!(freed, held.prefix_cached_blocks);
+    let after = h.stats().wait().expect("stats");
+    assert_eq!((after.prefix_cached_blocks, after.kv_blocks_used), (0, 0));
+
+    let cold = run();
+    assert_eq!(cold.cached_tokens, 0);
+    assert_eq!(cold.token_ids, first.token_ids);
+    // Nothing cached: clearing again frees nothing but the blocks the last run left.
+    let left = h.stats().wait().expect("stats").prefix_cached_blocks;
+    assert_eq!(h.clear_prefix_cache().wait().expect("clear"), left);
+    assert_eq!(h.clear_prefix_cache().wait().expect("clear"), 0);
+    h.shutdown().wait().expect("shutdown");
+}
+
+#[test]
 fn layers_load_in_the_background_while_a_request_streams() {
     let src = source();
     // A budget the full model fits in with room to spare: 10 layers resident at first.

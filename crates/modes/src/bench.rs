@@ -82,6 +82,54 @@ pub struct ModesBenchOptions {
     pub bpb_tokens: usize,
     /// Workloads to run by name (all when empty).
     pub only: Vec<String>,
+    /// Take every mode's quality from this report (of the same model) instead of measuring
+    /// it: the latency cells are measured, the quality columns are the report's.
+    pub quality_from: Option<BorrowedQuality>,
+}
+
+/// Quality rows measured by an earlier `bench modes` run, and where they came from.
+#[derive(Debug, Clone)]
+pub struct BorrowedQuality {
+    /// The report's file, as named in the new report's notes.
+    pub source: String,
+    pub report: ModesReport,
+}
+
+impl BorrowedQuality {
+    /// The report's quality row of every mode in `modes`. Refuses a report of another model,
+    /// or one without a row (or without bits per byte) for one of `modes`: a mode with no
+    /// quality would pass no gate, silently.
+    pub fn rows(&self, model: &str, modes: &[Mode]) -> Result<Vec<ModeQuality>> {
+        if self.report.model != model {
+            return Err(ModesError::Invalid(format!(
+                "{} measured {}, not {model}: quality is borrowed only from the same model",
+                self.source, self.report.model
+            )));
+        }
+        modes
+            .iter()
+            .map(|&mode| {
+                let row = self
+                    .report
+                    .quality
+                    .iter()
+                    .find(|q| q.mode == mode && q.bits_per_byte.is_some())
+                    .ok_or_else(|| {
+                        ModesError::Invalid(format!(
+                            "{} has no quality row with bits per byte for {mode}",
+                            self.source
+                        ))
+                    })?;
+                let mut row = row.clone();
+                let measured = row.note.take();
+                row.note = Some(match measured {
+                    Some(n) => format!("from {}: {n}", self.source),
+                    None => format!("from {}", self.source),
+                });
+                Ok(row)
+            })
+            .collect()
+    }
 }
 
 impl Default for ModesBenchOptions {
@@ -96,6 +144,7 @@ impl Default for ModesBenchOptions {
             gsm8k_items: 5,
             bpb_tokens: 4096,
             only: Vec::new(),
+            quality_from: None,
         }
     }
 }
@@ -302,7 +351,14 @@ pub fn run(
     let mut cells = Vec::new();
     let mut sl_texts: Vec<(Mode, Vec<String>)> = Vec::new();
     let mut gsm: Vec<(Mode, Vec<bool>)> = Vec::new();
-    let gsm_items = quality::load_gsm8k(opts.gsm8k_items, Pick::First)?;
+    let borrowed = match &opts.quality_from {
+        Some(b) => Some(b.rows(&assets.name, &opts.modes)?),
+        None => None,
+    };
+    let gsm_items = match borrowed {
+        Some(_) => Vec::new(),
+        None => quality::load_gsm8k(opts.gsm8k_items, Pick::First)?,
+    };
     let mut notes = Vec::new();
     for &mode in &opts.modes {
         progress(&format!("{mode}: loading"));
@@ -360,8 +416,19 @@ pub fn run(
         }
     }
 
-    progress("quality: bits per byte and multiple-choice items");
-    let quality = score_quality(assets, opts, &sl_texts, &gsm, &mut progress)?;
+    let quality = match (borrowed, &opts.quality_from) {
+        (Some(rows), Some(b)) => {
+            notes.push(format!(
+                "Quality (bits per byte, accuracies, paired intervals, ROUGE-L) is {}'s, measured there on the same model and items; only the latency cells were measured in this run.",
+                b.source
+            ));
+            rows
+        }
+        _ => {
+            progress("quality: bits per byte and multiple-choice items");
+            score_quality(assets, opts, &sl_texts, &gsm, &mut progress)?
+        }
+    };
     notes.push("CUDA graphs do not apply on a CPU; no mode stands for them.".into());
     Ok(ModesReport {
         model: assets.name.clone(),
@@ -974,5 +1041,102 @@ impl ModesReport {
             text,
         )?;
         Ok(vec![path])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn quality_row(mode: Mode, bpb: Option<f64>, note: Option<&str>) -> ModeQuality {
+        ModeQuality {
+            mode,
+            bits_per_byte: bpb,
+            rouge_l_vs_f16: None,
+            tasks: Vec::new(),
+            accuracy_points: None,
+            accuracy_delta_points: None,
+            paired: Default::default(),
+            bpb_bytes: Some(142_323),
+            note: note.map(String::from),
+        }
+    }
+
+    fn borrowed() -> BorrowedQuality {
+        BorrowedQuality {
+            source: "m.json".into(),
+            report: ModesReport {
+                model: "smollm2-135m-instruct".into(),
+                threads: 2,
+                budget_bytes: 2 << 30,
+                energy: String::new(),
+                workloads: Vec::new(),
+                cells: Vec::new(),
+                quality: vec![
+                    quality_row(Mode::F16, Some(0.5024), None),
+                    quality_row(Mode::Int8, Some(0.5042), None),
+                    quality_row(
+                        Mode::PrefixCache,
+                        Some(0.5024),
+                        Some("all scores are f16's"),
+                    ),
+                    quality_row(Mode::Q4, None, None),
+                ],
+                notes: Vec::new(),
+            },
+        }
+    }
+
+    #[test]
+    fn borrowed_quality_takes_the_rows_of_the_modes_asked_for() {
+        let b = borrowed();
+        let rows = b
+            .rows(
+                "smollm2-135m-instruct",
+                &[Mode::PrefixCache, Mode::F16, Mode::Int8],
+            )
+            .unwrap();
+        let got: Vec<(Mode, Option<f64>, Option<String>)> = rows
+            .into_iter()
+            .map(|r| (r.mode, r.bits_per_byte, r.note))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (
+                    Mode::PrefixCache,
+                    Some(0.5024),
+                    Some("from m.json: all scores are f16's".into())
+                ),
+                (Mode::F16, Some(0.5024), Some("from m.json".into())),
+                (Mode::Int8, Some(0.5042), Some("from m.json".into())),
+            ]
+        );
+    }
+
+    #[test]
+    fn borrowed_quality_refuses_another_model_and_missing_rows() {
+        let b = borrowed();
+        let e = b
+            .rows("qwen2.5-coder-0.5b-instruct", &[Mode::F16])
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "m.json measured smollm2-135m-instruct, not qwen2.5-coder-0.5b-instruct: quality is borrowed only from the same model"
+        );
+        let e = b
+            .rows("smollm2-135m-instruct", &[Mode::F16, Mode::Q4])
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "m.json has no quality row with bits per byte for q4"
+        );
+        let e = b
+            .rows("smollm2-135m-instruct", &[Mode::Q4Gptq])
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "m.json has no quality row with bits per byte for q4-gptq"
+        );
     }
 }

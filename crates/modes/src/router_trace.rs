@@ -289,7 +289,10 @@ pub struct TraceRow {
 }
 
 /// Replays `trace` with `router` choosing among `engines` (every mode's engine, loaded).
-/// `oracle` judges each choice against the gate for the request's class.
+/// `oracle` judges each choice against the gate for the request's class. Every replay starts
+/// from empty prefix caches: the same prompts replayed again would otherwise find their
+/// prefixes cached by an earlier replay (or by whatever else those engines served), and the
+/// later of two routers that use a prefix-cache mode would skip prefills the earlier one paid.
 pub fn replay(
     trace: &[TraceRequest],
     label: &str,
@@ -299,8 +302,9 @@ pub fn replay(
     oracle: &Oracle,
 ) -> Result<TraceRow> {
     let mut available = ModeSet::empty();
-    for &m in engines.keys() {
+    for (&m, engine) in engines {
         available.insert(m);
+        engine.clear_prefix_cache().wait()?;
     }
     let in_flight = Arc::new(AtomicUsize::new(0));
     let mut max_in_flight = 0;

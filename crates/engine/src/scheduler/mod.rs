@@ -723,6 +723,13 @@ impl Scheduler {
         }
     }
 
+    /// Empties the prefix cache, leaving the sequences; returns the blocks freed now.
+    pub fn clear_prefix_cache(&mut self) -> usize {
+        let before = self.pool.free_blocks();
+        self.cache.clear(&mut self.pool);
+        self.pool.free_blocks().saturating_sub(before)
+    }
+
     /// Ends every sequence and empties the prefix cache: all blocks back in the pool.
     pub fn clear(&mut self) {
         let ids: Vec<RequestId> = self.seqs.keys().copied().collect();
