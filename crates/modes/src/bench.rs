@@ -352,7 +352,7 @@ pub fn run(
     let mut sl_texts: Vec<(Mode, Vec<String>)> = Vec::new();
     let mut gsm: Vec<(Mode, Vec<bool>)> = Vec::new();
     let borrowed = match &opts.quality_from {
-        Some(b) => Some(b.rows(&assets.name, &opts.modes)?),
+        Some(b) => Some((b.rows(&assets.name, &opts.modes)?, b.source.as_str())),
         None => None,
     };
     let gsm_items = match borrowed {
@@ -416,15 +416,14 @@ pub fn run(
         }
     }
 
-    let quality = match (borrowed, &opts.quality_from) {
-        (Some(rows), Some(b)) => {
+    let quality = match borrowed {
+        Some((rows, source)) => {
             notes.push(format!(
-                "Quality (bits per byte, accuracies, paired intervals, ROUGE-L) is {}'s, measured there on the same model and items; only the latency cells were measured in this run.",
-                b.source
+                "Quality (bits per byte, accuracies, paired intervals, ROUGE-L) is {source}'s, measured there on the same model and items; only the latency cells were measured in this run."
             ));
             rows
         }
-        _ => {
+        None => {
             progress("quality: bits per byte and multiple-choice items");
             score_quality(assets, opts, &sl_texts, &gsm, &mut progress)?
         }

@@ -736,7 +736,7 @@ impl Scheduler {
         for id in ids {
             self.remove(id);
         }
-        self.cache.clear(&mut self.pool);
+        self.clear_prefix_cache();
     }
 }
 
